@@ -1,0 +1,200 @@
+"""Build every recipe x target (colab, kaggle) into notebooks/<target>/<recipe>.ipynb through jupytext.
+
+    python build_notebooks.py           # (re)write the notebooks
+    python build_notebooks.py --check   # regenerate in memory; name stale files and exit 1 if any differ
+
+The recipes (recipes/*.py, percent format) are the source of truth. The builder changes only cells the recipe
+tags explicitly, using the platform table in freetune/platform.py:
+  install  -> the pinned install for that platform, rendered from pyproject.toml (torch is never reinstalled)
+  paths    -> `target=None` becomes `target="<platform>"` so the notebook knows what it was built for
+  train    -> Colab: run inline. Kaggle: collected into one `%%writefile train_ddp.py` cell (the code exists
+              once, in the recipe), followed by a cell that writes the job file and launches torchrun.
+Output is deterministic: no outputs, no execution counts, stable cell ids and metadata, no timestamps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+import tomllib
+from pathlib import Path
+
+import jupytext
+import nbformat
+
+ROOT = Path(__file__).resolve().parent
+RECIPES = ROOT / "recipes"
+NOTEBOOKS = ROOT / "notebooks"
+TARGETS = ("colab", "kaggle")
+sys.path.insert(0, str(ROOT))
+from freetune.platform import PLATFORMS  # noqa: E402  (the table lives in the library; no torch import)
+
+KERNELSPEC = {"name": "python3", "display_name": "Python 3", "language": "python"}
+
+
+def project_meta() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+def pinned_requirements() -> list[str]:
+    """The libraries a notebook installs: the train and tasks extras, minus torch (the platform's CUDA build)."""
+    extras = project_meta()["optional-dependencies"]
+    return [req for req in extras["train"] + extras["tasks"] if not req.replace(" ", "").startswith("torch")]
+
+
+def render_install(target: str) -> str:
+    meta = project_meta()
+    repo = meta["urls"]["Repository"]
+    pins = ",\n    ".join(f'"{req}"' for req in pinned_requirements())
+    platform = PLATFORMS[target]
+    return f'''# Install freetune and the library versions it was tested with (rendered from pyproject.toml).
+# Does nothing when freetune is already importable (CI, local runs). torch is never reinstalled: {platform.name}'s
+# own CUDA build stays. freetune itself goes in with --no-deps so pip cannot swap torch underneath.
+import importlib.util
+import subprocess
+import sys
+
+if importlib.util.find_spec("freetune") is None:
+    PINNED = [
+    {pins},
+    ]
+    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", *PINNED])
+    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                           "freetune @ git+{repo}@main"])
+    importlib.invalidate_caches()
+import freetune  # noqa: E402
+print("freetune", freetune.__version__)'''
+
+
+def parameter_names(source: str) -> list[str]:
+    """Names declared in the parameters cell, in order (`name: type = value  # help`)."""
+    names = []
+    for node in ast.parse(source).body:
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None):
+            raise SystemExit(f"parameters cell: every line must be `name: type = literal  # help`, "
+                             f"got {ast.unparse(node)!r}")
+        try:  # literals only: papermill injects new values after this cell, so derived values would go stale
+            ast.literal_eval(node.value)
+        except ValueError:
+            raise SystemExit(f"parameters cell: {node.target.id} must be a literal, got "
+                             f"{ast.unparse(node.value)!r}; compute derived values in a later cell") from None
+        names.append(node.target.id)
+    return names
+
+
+def _code(source: str, tags=()) -> nbformat.NotebookNode:
+    cell = nbformat.v4.new_code_cell(source)
+    if tags:
+        cell.metadata["tags"] = list(tags)
+    return cell
+
+
+def _markdown(source: str) -> nbformat.NotebookNode:
+    return nbformat.v4.new_markdown_cell(source)
+
+
+def kaggle_train_cells(recipe_name: str, train_sources: list[str], names: list[str]) -> list:
+    header = (f"# Generated from recipes/{recipe_name}.py by build_notebooks.py: edit the recipe, not this cell.\n"
+              "# torchrun starts this script once per GPU; the notebook wrote the job file it reads.\n"
+              "import sys\n\nimport freetune\n\n"
+              "job = freetune.launch.load_job(sys.argv[1])\n"
+              "globals().update(job.parameters)\n"
+              "paths, plan = job.paths, job.plan\n")
+    body = "\n\n".join(src.strip() for src in train_sources)
+    script = f"%%writefile train_ddp.py\n{header}\n{body}\n"
+    params = "".join(f"\n        {n!r}: {n}," for n in names)
+    nproc = "ddp_processes" if "ddp_processes" in names else "0"
+    launch = (f"# Generated: run the training cells above on every visible GPU, one process each (DDP).\n"
+              f"job_file = freetune.launch.write_job(\n    f\"{{paths.run_dir}}/train_ddp.json\",\n"
+              f"    parameters={{{params}\n    }},\n    paths=paths,\n    plan=plan,\n)\n"
+              f"freetune.launch.run_torchrun(\"train_ddp.py\", job_file, nproc={nproc})")
+    explain = ("**Kaggle runs the training cells as a script on both GPUs.** The cell below writes them to "
+               "`train_ddp.py`; the next one launches it with `torchrun --standalone --nproc_per_node=<GPUs>`, "
+               "streams rank 0's log here and fails with the failing rank's error if any rank fails.")
+    return [_markdown(explain), _code(script, ["train-script"]), _code(launch, ["launch"])]
+
+
+def render(recipe: Path, target: str) -> nbformat.NotebookNode:
+    source_nb = jupytext.read(recipe, fmt="py:percent")
+    platform = PLATFORMS[target]
+    name = recipe.stem
+    banner = (f"<!-- generated from recipes/{name}.py by build_notebooks.py: edit that file, not this notebook -->\n"
+              f"*Generated from [`recipes/{name}.py`](../../recipes/{name}.py) for **{target}** "
+              f"({platform.gpus}); edit that file, then run `python build_notebooks.py`.*")
+    cells = [_markdown(banner)]
+    names: list[str] = []
+    train_sources: list[str] = []
+    deferred_markdown: list = []
+    train_done = False
+    for cell in source_nb.cells:
+        tags = list(cell.metadata.get("tags", []))
+        if cell.cell_type == "markdown":
+            md = _markdown(cell.source)
+            # On Kaggle, prose inside the training section is shown before the script cell that holds its code.
+            (deferred_markdown if platform.launches_ddp and train_sources and not train_done else cells).append(md)
+            continue
+        if "parameters" in tags:
+            names = parameter_names(cell.source)
+            cells.append(_code(cell.source, ["parameters"]))
+        elif "install" in tags:
+            cells.append(_code(render_install(target), ["install"]))
+        elif "paths" in tags:
+            if "target=None" not in cell.source:
+                raise SystemExit(f"{recipe}: the cell tagged `paths` must call resolve_paths(target=None, ...)")
+            cells.append(_code(cell.source.replace("target=None", f"target={target!r}"), ["paths"]))
+        elif "train" in tags and platform.launches_ddp:
+            train_sources.append(cell.source)
+        else:
+            if train_sources and not train_done and platform.launches_ddp:
+                cells += deferred_markdown + kaggle_train_cells(name, train_sources, names)
+                deferred_markdown, train_done = [], True
+            cells.append(_code(cell.source, tags))
+    if train_sources and not train_done:
+        cells += deferred_markdown + kaggle_train_cells(name, train_sources, names)
+    if not names:
+        raise SystemExit(f"{recipe}: no cell is tagged `parameters` (the first code cell must be)")
+
+    nb = nbformat.v4.new_notebook(cells=cells)
+    nb.metadata = {"kernelspec": KERNELSPEC, "language_info": {"name": "python"}, **platform.metadata}
+    for index, cell in enumerate(nb.cells):
+        cell.id = f"{name.replace('_', '-')}-{index:02d}"
+    nbformat.validate(nb)
+    return nb
+
+
+def expected_files() -> dict[Path, str]:
+    files = {}
+    for recipe in sorted(RECIPES.glob("*.py")):
+        for target in TARGETS:
+            files[NOTEBOOKS / target / f"{recipe.stem}.ipynb"] = nbformat.writes(render(recipe, target)) + "\n"
+    return files
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="fail (exit 1) if any notebook is out of date")
+    args = parser.parse_args(argv)
+    files = expected_files()
+    if args.check:
+        stale = [p for p, text in files.items() if not p.exists() or p.read_text() != text]
+        generated = {p for p in NOTEBOOKS.glob("*/*.ipynb")}
+        orphans = sorted(generated - set(files))
+        for path in stale:
+            print(f"stale: {path.relative_to(ROOT)} (rebuild with: python build_notebooks.py)")
+        for path in orphans:
+            print(f"orphan: {path.relative_to(ROOT)} has no recipe (delete it)")
+        if stale or orphans:
+            return 1
+        print(f"{len(files)} notebooks up to date")
+        return 0
+    for path, text in files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists() or path.read_text() != text:
+            path.write_text(text)
+            print(f"wrote {path.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+"""Training data in the shapes people actually have, normalised to what TRL's SFTTrainer trains on.
+
+Accepted shapes (TRL's own names, so SFTTrainer masks the loss correctly):
+- conversational `messages`: a list of {"role", "content"} turns; loss on assistant turns only;
+- `prompt` / `completion`: strings or message lists; loss on the completion only;
+- anything else through a column mapping, e.g. instruction/input/output (Alpaca) ->
+  `columns={"prompt": ["instruction", "input"], "completion": "output"}` (several prompt columns are joined
+  with a blank line, empty ones skipped).
+
+`load_rows` takes a local file (.jsonl/.json/.csv/.parquet), a folder written by `Dataset.save_to_disk`, or a
+hub id; every failure is a FreetuneError that says what to change, raised before any model is loaded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from freetune.errors import FreetuneError
+
+LOCAL_SUFFIXES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+def load_rows(source: str, split: str = "train", config: str | None = None):
+    """Load a `datasets.Dataset` from a local file/folder or a hub id, with errors that say what to change."""
+    import datasets
+
+    path = Path(source).expanduser()
+    looks_local = source.startswith((".", "/", "~")) or path.suffix in LOCAL_SUFFIXES or path.exists()
+    if looks_local:
+        if not path.exists():
+            raise FreetuneError(
+                f"Data set file {str(path)!r} does not exist. Check the `dataset` parameter: give an existing "
+                f".jsonl/.json/.csv/.parquet file, a folder saved with Dataset.save_to_disk, or a hub id "
+                f"such as 'thesantatitan/deepseek-svg-dataset'.")
+        try:
+            if path.is_dir() and (path / "dataset_info.json").exists():
+                return datasets.load_from_disk(str(path))
+            if path.is_dir():
+                return datasets.load_dataset(str(path), config, split=split)
+            builder = LOCAL_SUFFIXES.get(path.suffix)
+            if builder is None:
+                raise FreetuneError(
+                    f"Cannot read {path.name!r}: freetune reads {', '.join(sorted(LOCAL_SUFFIXES))} files. "
+                    f"Convert the file, or point `dataset` at a hub id.")
+            return datasets.load_dataset(builder, data_files=str(path), split="train")
+        except FreetuneError:
+            raise
+        except Exception as exc:  # malformed JSON, wrong CSV, ...: say which file and why
+            raise FreetuneError(f"Could not read data set file {str(path)!r}: {exc}. Fix the file or the "
+                                f"`dataset` parameter.") from exc
+    try:
+        return datasets.load_dataset(source, config, split=split)
+    except Exception as exc:
+        raise FreetuneError(
+            f"Could not load data set {source!r} (split {split!r}) from the Hugging Face Hub: "
+            f"{type(exc).__name__}: {str(exc)[:300]}. Check the `dataset` id and split, that this machine is "
+            f"online, and for a private or gated data set that HF_TOKEN is set (Colab/Kaggle secrets).") from exc
+
+
+def _is_message_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
+
+
+def _join_columns(example: dict, names: list[str]) -> str:
+    return "\n\n".join(str(example[n]).strip() for n in names if example.get(n) not in (None, "")
+                       and str(example[n]).strip())
+
+
+def normalize(dataset, columns: dict[str, str | list[str]] | None = None, system_prompt: str | None = None):
+    """Return a data set with exactly `messages`, or `prompt` + `completion` columns.
+
+    columns: maps freetune's names ("messages", "prompt", "completion") to the data set's own column(s).
+    system_prompt: prepended as a system turn to conversational rows that have none.
+    """
+    if len(dataset) == 0:
+        raise FreetuneError("The data set has no rows. Check the `dataset` parameter and its split.")
+    present = set(dataset.column_names)
+    columns = dict(columns or {})
+    wanted = {name for source in columns.values() for name in ([source] if isinstance(source, str) else source)}
+    missing = sorted(wanted - present)
+    if missing:
+        raise FreetuneError(
+            f"The column mapping names {missing}, which the data set does not have. Its columns are "
+            f"{sorted(present)}: fix the `columns` parameter.")
+
+    def column_for(name: str):
+        if name in columns:
+            return columns[name]
+        return name if name in present else None
+
+    messages_col = column_for("messages")
+    prompt_col, completion_col = column_for("prompt"), column_for("completion")
+    if messages_col is None and not (prompt_col and completion_col):
+        raise FreetuneError(
+            f"Cannot tell which columns to train on: the data set has {sorted(present)}. freetune trains on a "
+            f"`messages` column (chat turns) or on `prompt` + `completion`. Map yours with the `columns` "
+            f"parameter, e.g. {{'prompt': ['instruction', 'input'], 'completion': 'output'}}.")
+
+    if messages_col is not None:
+        first = dataset[0][messages_col] if isinstance(messages_col, str) else None
+        if not _is_message_list(first):
+            raise FreetuneError(
+                f"Column {messages_col!r} should hold a list of {{'role': ..., 'content': ...}} turns; row 0 "
+                f"holds {type(first).__name__}. Map a prompt/completion pair with `columns` instead.")
+
+        def to_messages(example):
+            turns = [{"role": m["role"], "content": m["content"]} for m in example[messages_col]]
+            if system_prompt and turns and turns[0]["role"] != "system":
+                turns = [{"role": "system", "content": system_prompt}] + turns
+            return {"messages": turns}
+
+        out = dataset.map(to_messages, remove_columns=dataset.column_names, desc="Normalising rows")
+        if not any(m["role"] == "assistant" for m in out[0]["messages"]):
+            raise FreetuneError("Row 0 has no assistant turn: there is nothing to learn. Each conversation needs "
+                                "at least one {'role': 'assistant', ...} turn.")
+        return out
+
+    prompt_names = [prompt_col] if isinstance(prompt_col, str) else list(prompt_col)
+    completion_names = [completion_col] if isinstance(completion_col, str) else list(completion_col)
+    conversational = _is_message_list(dataset[0][prompt_names[0]]) if len(prompt_names) == 1 else False
+
+    def to_prompt_completion(example):
+        if conversational:
+            prompt, completion = example[prompt_names[0]], example[completion_names[0]]
+            if isinstance(completion, str):
+                completion = [{"role": "assistant", "content": completion}]
+            if system_prompt and prompt and prompt[0]["role"] != "system":
+                prompt = [{"role": "system", "content": system_prompt}] + prompt
+            return {"prompt": prompt, "completion": completion}
+        prompt_text = _join_columns(example, prompt_names)
+        completion_text = _join_columns(example, completion_names)
+        return {"prompt": prompt_text, "completion": completion_text}
+
+    return dataset.map(to_prompt_completion, remove_columns=dataset.column_names, desc="Normalising rows")
+
+
+def as_chat(dataset, system_prompt: str | None = None):
+    """prompt/completion strings -> one-turn chats, so an instruct model trains on its own chat template."""
+    if "messages" in dataset.column_names or not isinstance(dataset[0]["prompt"], str):
+        return dataset
+
+    def wrap(example):
+        prompt = [{"role": "user", "content": example["prompt"]}]
+        if system_prompt:
+            prompt = [{"role": "system", "content": system_prompt}] + prompt
+        return {"prompt": prompt, "completion": [{"role": "assistant", "content": example["completion"]}]}
+
+    return dataset.map(wrap, desc="Wrapping rows in the chat template")
+
+
+def completion_text(row: dict) -> str:
+    """The text the model learns to produce for one normalised row (assistant turns joined)."""
+    if "messages" in row:
+        return "\n".join(m["content"] for m in row["messages"] if m["role"] == "assistant")
+    completion = row["completion"]
+    if isinstance(completion, list):
+        return "\n".join(m["content"] for m in completion if m["role"] == "assistant")
+    return completion
+
+
+def prompt_text(row: dict) -> str:
+    """The text the model is given for one normalised row (everything before the last assistant turn)."""
+    if "messages" in row:
+        turns = row["messages"]
+        last = max(i for i, m in enumerate(turns) if m["role"] == "assistant")
+        return "\n".join(m["content"] for m in turns[:last])
+    prompt = row["prompt"]
+    return "\n".join(m["content"] for m in prompt) if isinstance(prompt, list) else prompt
+
+
+def prompt_messages(row: dict) -> list[dict]:
+    """The chat turns to generate from for one normalised row (what precedes the last assistant turn)."""
+    if "messages" in row:
+        turns = row["messages"]
+        last = max(i for i, m in enumerate(turns) if m["role"] == "assistant")
+        return list(turns[:last])
+    prompt = row["prompt"]
+    return list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+
+
+def split_eval(dataset, eval_rows: int, seed: int = 0):
+    """Hold out `eval_rows` rows (seeded) for evaluation; returns (train, eval or None)."""
+    if eval_rows <= 0:
+        return dataset, None
+    if eval_rows >= len(dataset):
+        raise FreetuneError(f"eval_rows={eval_rows} leaves no training rows (the data set has {len(dataset)}). "
+                            f"Lower `eval_rows`.")
+    parts = dataset.train_test_split(test_size=eval_rows, seed=seed, shuffle=True)
+    return parts["train"], parts["test"]
+
+
+def save_prepared(data_dir: str, train, eval_rows=None) -> None:
+    """Keep the audited, cleaned rows on disk: the training step (inline or every torchrun rank) reads these."""
+    import shutil
+
+    for name, part in (("train", train), ("eval", eval_rows)):
+        target = Path(data_dir) / name
+        shutil.rmtree(target, ignore_errors=True)
+        if part is not None:
+            part.save_to_disk(str(target))
+
+
+def load_prepared(data_dir: str):
+    """(train, eval or None) as saved by save_prepared."""
+    import datasets
+
+    train_dir, eval_dir = Path(data_dir) / "train", Path(data_dir) / "eval"
+    if not train_dir.exists():
+        raise FreetuneError(f"No prepared training data in {data_dir}: run the data audit cell first.")
+    # keep_in_memory: the trainer's tokenising map then writes no cache files beside the data, so N ranks
+    # never race on (or write) shared files.
+    load = lambda folder: datasets.load_from_disk(str(folder), keep_in_memory=True)  # noqa: E731
+    return load(train_dir), (load(eval_dir) if eval_dir.exists() else None)

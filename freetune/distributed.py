@@ -1,0 +1,167 @@
+"""One script for 1 or N processes: read torchrun's RANK / LOCAL_RANK / WORLD_SIZE, or run alone.
+
+Under torchrun each rank loads a full copy of the 4-bit model on its own GPU (DDP), never rewriting
+CUDA_VISIBLE_DEVICES: every rank sees all GPUs and picks `cuda:LOCAL_RANK`. Only the main process (global
+rank 0) writes files. `cleanup()` waits for every rank (`barrier()`) and then destroys the process group, so
+the job neither hangs at the end nor warns that destroy_process_group() was not called.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+# A dead rank must end the job within minutes, not after NCCL's default 30-minute (10 for gloo) wait.
+COLLECTIVE_TIMEOUT_S = int(os.environ.get("FREETUNE_COLLECTIVE_TIMEOUT_S", "300"))
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int
+    local_rank: int
+    world_size: int
+    backend: str | None     # "nccl", "gloo", or None when running alone
+    device: str             # "cuda:N" or "cpu"
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def under_torchrun() -> bool:
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def context() -> DistContext:
+    """This process's place in the job, from torchrun's environment (rank 0 of 1 when alone)."""
+    import torch
+
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    cuda = torch.cuda.is_available() and os.environ.get("FREETUNE_FORCE_CPU") != "1"
+    backend = None if world_size == 1 else ("nccl" if cuda else "gloo")
+    return DistContext(rank, local_rank, world_size, backend, f"cuda:{local_rank}" if cuda else "cpu")
+
+
+def init(timeout_s: int = COLLECTIVE_TIMEOUT_S) -> DistContext:
+    """Join the process group (when under torchrun with >1 process) with a finite collective timeout."""
+    import torch
+    import torch.distributed as dist
+
+    ctx = context()
+    if os.environ.get("FREETUNE_TRACE_WRITES") == "1" and WriteTracer.active is None:
+        WriteTracer.active = WriteTracer()
+    if ctx.device.startswith("cuda"):
+        torch.cuda.set_device(ctx.local_rank)
+    if ctx.distributed and not dist.is_initialized():
+        kwargs = {"device_id": torch.device(ctx.device)} if ctx.backend == "nccl" else {}
+        dist.init_process_group(ctx.backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+    return ctx
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def cleanup() -> None:
+    """Wait for every rank, then leave the process group (no hang at the end, no leaked-group warning)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def print0(*args, **kwargs) -> None:
+    """print() on the main process only, so N ranks do not repeat every line."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def print_layout(ctx: DistContext, micro_batch: int, grad_accum: int, trainable: int, total: int) -> None:
+    """Rank 0 shows how the job is laid out, so a second GPU sitting idle is visible at once."""
+    if not ctx.is_main:
+        return
+    import torch
+
+    if ctx.device.startswith("cuda"):
+        names = [f"rank {r} -> cuda:{r % max(torch.cuda.device_count(), 1)}" for r in range(ctx.world_size)]
+        where = f"{ctx.world_size} process(es) on GPU(s): " + ", ".join(names)
+    else:
+        where = f"{ctx.world_size} process(es) on the CPU" + (f" ({ctx.backend})" if ctx.backend else "")
+    print(f"Layout: {where}\n"
+          f"  per-process batch {micro_batch} x accumulation {grad_accum} x {ctx.world_size} process(es) = "
+          f"global batch {micro_batch * grad_accum * ctx.world_size}\n"
+          f"  trainable parameters {trainable:,} of {total:,} ({100 * trainable / max(total, 1):.2f}%)",
+          flush=True)
+
+
+def trainable_checksum(model) -> str:
+    """A short digest of the trainable (LoRA) weights: identical on every rank after a correct DDP run."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
+        if param.requires_grad:
+            digest.update(name.encode())
+            digest.update(param.detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def check_replicas_agree(model) -> str:
+    """Every rank prints its LoRA checksum; raise if the replicas drifted apart (a broken DDP setup)."""
+    import torch.distributed as dist
+
+    ctx = context()
+    mine = trainable_checksum(model)
+    print(f"rank {ctx.rank}: trainable-weights checksum {mine}", flush=True)
+    if ctx.distributed and dist.is_initialized():
+        everyone: list = [None] * ctx.world_size
+        dist.all_gather_object(everyone, mine)
+        if len(set(everyone)) != 1:
+            raise RuntimeError(f"LoRA weights differ between ranks after training: {everyone}. The replicas were "
+                               f"not kept in sync; do not use this adapter.")
+    return mine
+
+
+class WriteTracer:
+    """Record the files this process opens for writing (set FREETUNE_TRACE_WRITES=1): a test proves that only
+    rank 0 writes. Python-level opens, renames and mkdirs are seen; writes made inside native code are not."""
+
+    active: "WriteTracer | None" = None
+
+    def __init__(self):
+        import sys
+
+        self.paths: set[str] = set()
+        sys.addaudithook(self._hook)
+
+    def _hook(self, event: str, args) -> None:
+        if event == "open" and args and isinstance(args[0], (str, bytes, os.PathLike)):
+            mode, flags = args[1], args[2] if len(args) > 2 else 0
+            writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
+                mode is None and isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
+            if writing:
+                self._note(args[0])
+        elif event in ("os.rename", "os.mkdir", "os.remove", "shutil.rmtree") and args:
+            self._note(args[0])
+
+    def _note(self, path) -> None:
+        try:
+            self.paths.add(os.path.realpath(os.fsdecode(path)))
+        except (TypeError, ValueError):
+            return
+
+    def report(self, rank: int, root: str) -> None:
+        root = os.path.realpath(root)
+        mine = sorted(os.path.relpath(p, root) for p in self.paths if p.startswith(root + os.sep))
+        print(f"rank {rank} wrote {len(mine)} file(s) under the run folder: {mine}", flush=True)

@@ -1,0 +1,8 @@
+"""The one exception a user should ever see from freetune: it says what went wrong and what to change."""
+
+
+class FreetuneError(Exception):
+    """A problem with the user's input or machine, found before (or instead of) spending GPU time.
+
+    The message is written for the person at the notebook: what is wrong, then what to change.
+    """

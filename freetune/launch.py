@@ -1,0 +1,104 @@
+"""The Kaggle notebook's DDP cell: run train_ddp.py under torchrun on every visible GPU, stream rank 0's
+output into the notebook live, and fail the cell with the failing rank's error when any rank fails.
+
+The notebook kernel decides everything first (parameters, folders, the preflight plan, the audited data) and
+hands it to the ranks in one JSON job file beside the script, so every rank trains on exactly what the notebook
+showed. torchrun (PyTorch's own launcher) starts the processes; nothing here re-implements it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+from freetune.errors import FreetuneError
+
+
+def write_job(path: str | Path, parameters: dict, paths, plan) -> Path:
+    """Write what the ranks need (parameter values, folders, the plan) as JSON next to the script."""
+    job = {"parameters": parameters, "paths": dataclasses.asdict(paths), "plan": dataclasses.asdict(plan)}
+    path = Path(path)
+    path.write_text(json.dumps(job, indent=2, sort_keys=True, default=str))
+    return path
+
+
+def load_job(path: str | Path) -> SimpleNamespace:
+    """Read the job file inside train_ddp.py: .parameters (dict), .paths (Paths), .plan (Plan)."""
+    from freetune.platform import Paths
+    from freetune.preflight import Plan
+
+    job = json.loads(Path(path).read_text())
+    plan_fields = {f.name for f in dataclasses.fields(Plan) if f.init}
+    plan = Plan(**{k: v for k, v in job["plan"].items() if k in plan_fields})
+    return SimpleNamespace(parameters=job["parameters"], paths=Paths(**job["paths"]), plan=plan)
+
+
+def visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def run_torchrun(script: str | Path, job_file: str | Path, *, nproc: int = 0, log_dir: str | Path | None = None,
+                 timeout_s: float | None = None) -> None:
+    """torchrun --standalone --nproc_per_node=N script job_file; raise with the failing rank's error.
+
+    nproc: 0 means one process per visible GPU (one on a CPU-only machine). Ranks beyond 0 log to files only.
+    """
+    gpus = visible_gpus()
+    nproc = nproc or max(gpus, 1)
+    if gpus and nproc > gpus:
+        raise FreetuneError(f"{nproc} processes asked for, but only {gpus} GPU(s) are visible. Set `ddp_processes` "
+                            f"to 0 (one per GPU) or at most {gpus}.")
+    log_dir = Path(log_dir or Path(job_file).parent / "torchrun_logs")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           # Every rank's output goes to files; rank 0's is also echoed here, live.
+           "--log-dir", str(log_dir), "--tee", "3", "--local-ranks-filter", "0",
+           str(script), str(job_file)]
+    where = f"{nproc} GPU(s)" if gpus else f"{nproc} CPU process(es), gloo backend"
+    print(f"Launching: torchrun --standalone --nproc_per_node={nproc} {Path(script).name}  ({where})", flush=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    started = time.time()
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                          bufsize=1) as proc:
+        assert proc.stdout is not None
+        try:
+            for line in proc.stdout:
+                print(line, end="", flush=True)
+                if timeout_s and time.time() - started > timeout_s:
+                    proc.terminate()
+                    raise FreetuneError(f"The torchrun job ran past {timeout_s:.0f} s and was stopped.")
+            code = proc.wait()
+        except BaseException:
+            proc.terminate()  # an interrupted cell must not leave ranks training in the background
+            raise
+    if code != 0:
+        rank, error = failing_rank_error(log_dir)
+        raise FreetuneError(f"The torchrun job failed (exit code {code}); rank {rank} reported:\n{error}")
+    print(f"All {nproc} ranks finished in {time.time() - started:.0f} s.", flush=True)
+
+
+def failing_rank_error(log_dir: str | Path) -> tuple[str, str]:
+    """The first rank (by time of its last write) whose stderr holds a Python traceback, and that traceback."""
+    logs = sorted(Path(log_dir).glob("**/attempt_*/*/stderr.log"), key=lambda p: p.stat().st_mtime)
+    newest_run = max((p.parents[2] for p in logs), key=lambda p: p.stat().st_mtime, default=None)
+    for path in logs:
+        if newest_run is not None and path.parents[2] != newest_run:
+            continue
+        text = path.read_text(errors="replace")
+        if "Traceback (most recent call last)" in text:
+            tail = text[text.rindex("Traceback (most recent call last)"):]
+            return path.parent.name, _short(tail)
+    return "?", "no rank left a Python traceback (killed by a signal or out of memory?); see " + str(log_dir)
+
+
+def _short(traceback_text: str, keep: int = 25) -> str:
+    lines = traceback_text.strip().splitlines()
+    return "\n".join(lines if len(lines) <= keep else lines[:3] + ["  ..."] + lines[-(keep - 4):])

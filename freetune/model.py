@@ -1,0 +1,116 @@
+"""The 4-bit base model and its LoRA adapter (QLoRA), loaded the way the preflight plan says.
+
+Why each step:
+- NF4 with double quantisation: 4-bit weights (~0.5 byte/param) plus quantised quantisation constants; the
+  matmuls run in the plan's compute dtype (fp16 on a T4, bf16 on Ampere+, fp32 on a CPU).
+- The non-quantised weights (norms, embeddings) load in the plan's dtype, not the config's: a checkpoint that
+  says bfloat16 on a T4 otherwise makes LoRA/AMP fail with `_amp_foreach_non_finite_check_and_unscale_cuda not
+  implemented for 'BFloat16'`.
+- prepare_model_for_kbit_training upcasts norms to fp32 and enables input gradients for checkpointing;
+  gradient checkpointing uses use_reentrant=False (the reentrant variant breaks with DDP and frozen inputs).
+- LoRA weights are kept in fp32 (peft's autocast_adapter_dtype): fp16 master weights underflow small updates.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from freetune.errors import FreetuneError
+from freetune.preflight import Plan
+
+
+def _check_model_source(model_id: str) -> None:
+    path = Path(model_id).expanduser()
+    looks_local = model_id.startswith((".", "/", "~")) or path.exists()
+    if looks_local and not (path / "config.json").exists():
+        what = "does not exist" if not path.exists() else "has no config.json"
+        raise FreetuneError(f"Model folder {str(path)!r} {what}. Set `model_id` to a hub id such as "
+                            f"'Qwen/Qwen2.5-Coder-1.5B-Instruct' or to a folder saved with save_pretrained().")
+
+
+def load_tokenizer(model_id: str):
+    from transformers import AutoTokenizer
+
+    _check_model_source(model_id)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_id)
+    except OSError as exc:
+        raise FreetuneError(f"Could not load the tokenizer of {model_id!r}: {str(exc)[:300]}. Check `model_id`, "
+                            f"that this machine is online, and HF_TOKEN for gated models.") from exc
+    if tokenizer.pad_token is None:
+        # A pad token equal to EOS would hide EOS from the loss (padding is masked): prefer a distinct token.
+        tokenizer.pad_token = tokenizer.unk_token or tokenizer.eos_token
+    return tokenizer
+
+
+def check_chat_template(tokenizer, dataset) -> str:
+    """Make sure the tokenizer can mark what to learn in this data; returns how the loss will be masked."""
+    conversational = "messages" in dataset.column_names or not isinstance(dataset[0]["prompt"], str)
+    if not conversational:
+        return "completion only (prompt/completion text)"
+    if not tokenizer.chat_template:
+        raise FreetuneError("The data is chat-shaped but the tokenizer has no chat template. Use an instruct/chat "
+                            "model, or give plain-text `prompt`/`completion` columns.")
+    if "messages" in dataset.column_names:
+        from trl.chat_template_utils import get_training_chat_template, has_generation_markers
+
+        if not has_generation_markers(tokenizer.chat_template):
+            try:
+                get_training_chat_template(tokenizer)
+            except ValueError as exc:
+                raise FreetuneError(
+                    "This model's chat template cannot mark assistant turns, so the loss cannot be limited to the "
+                    "answers. Either map the data to `prompt`/`completion` columns (the `columns` parameter), or "
+                    "use a model whose template TRL knows (Qwen2.5/3, Llama 3, Gemma, Phi-3, ...), or add "
+                    "{% generation %} markers to the template.") from exc
+        return "assistant turns only (chat template with generation markers)"
+    return "completion only (chat prompt/completion)"
+
+
+def load_base_model(model_id: str, plan: Plan, *, local_rank: int = 0, gradient_checkpointing: bool = True,
+                    quantize: bool = True):
+    """The base model in 4-bit NF4 (double quantisation), prepared for k-bit training on this rank's device."""
+    import torch
+    from peft import prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    _check_model_source(model_id)
+    kwargs = dict(dtype=plan.torch_dtype, attn_implementation=plan.attn_implementation)
+    if quantize:
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=plan.torch_dtype,
+            bnb_4bit_quant_storage=torch.uint8,
+        )
+    if plan.device == "cuda":
+        # One full copy per process on its own GPU (DDP). Never "auto"/"balanced": those split the layers
+        # across GPUs, which runs them one after another, slower than one GPU.
+        kwargs["device_map"] = {"": local_rank}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_id, **kwargs)
+    except OSError as exc:
+        raise FreetuneError(f"Could not load model {model_id!r}: {str(exc)[:300]}. Check `model_id`, that this "
+                            f"machine is online, and HF_TOKEN for gated models.") from exc
+    if quantize:
+        model = prepare_model_for_kbit_training(
+            model, use_gradient_checkpointing=gradient_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False  # the KV cache is useless in training and conflicts with checkpointing
+    return model
+
+
+def attach_lora(model, *, rank: int, alpha: int, dropout: float, target_modules: str | list[str] = "all-linear"):
+    """Wrap the model with a LoRA adapter; returns (peft_model, trainable, total) parameter counts."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
+                        bias="none", task_type="CAUSAL_LM")
+    try:
+        peft_model = get_peft_model(model, config, autocast_adapter_dtype=True)
+    except ValueError as exc:
+        raise FreetuneError(f"LoRA could not attach to {target_modules!r}: {exc}. Set `lora_targets` to "
+                            f"'all-linear' or to module names this model has (e.g. ['q_proj', 'v_proj']).") from exc
+    trainable, total = peft_model.get_nb_trainable_parameters()
+    return peft_model, trainable, total

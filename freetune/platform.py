@@ -1,0 +1,101 @@
+"""Colab, Kaggle and a local machine differ in a handful of facts; they live here, as one table.
+
+build_notebooks.py applies the table to the cells a recipe tags explicitly (`install`, `paths`, `train`) and to
+the notebook metadata; at run time `resolve_paths` turns the table's folders into real ones. A notebook built
+for Colab but executed elsewhere (CI, a laptop) falls back to local folders and says so.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Platform:
+    name: str
+    gpus: str                    # what the notebook is built for, shown to the user
+    work_root: str               # scratch space for this session (lost when it ends)
+    persistent_root: str | None  # where checkpoints outlive the session ("" until the user opts in, on Colab)
+    secrets: str                 # where HF_TOKEN comes from
+    time_limit_h: float | None   # the platform's session limit: the time budget stops and saves before it
+    launches_ddp: bool           # the notebook writes train_ddp.py and runs it under torchrun on every GPU
+    metadata: dict               # notebook metadata the platform reads (accelerator, internet)
+
+
+PLATFORMS = {
+    "colab": Platform(
+        name="colab", gpus="1 x T4 (16 GB)", work_root="/content/freetune-runs",
+        persistent_root="/content/drive/MyDrive/freetune-runs", secrets="Colab secrets (key icon): HF_TOKEN",
+        time_limit_h=12.0, launches_ddp=False,
+        # Colab reads `accelerator` and `colab.gpuType` to pick the runtime when the notebook opens.
+        metadata={"accelerator": "GPU", "colab": {"gpuType": "T4", "provenance": []}},
+    ),
+    "kaggle": Platform(
+        name="kaggle", gpus="2 x T4 (15 GB each)", work_root="/kaggle/working/freetune-runs",
+        persistent_root="/kaggle/working/freetune-runs", secrets="Kaggle secrets (Add-ons > Secrets): HF_TOKEN",
+        time_limit_h=12.0, launches_ddp=True,
+        # Kaggle reads `kaggle.accelerator` ("nvidiaTeslaT4" is "GPU T4 x2") and needs internet for pip.
+        metadata={"kaggle": {"accelerator": "nvidiaTeslaT4", "dataSources": [], "isGpuEnabled": True,
+                             "isInternetEnabled": True, "language": "python", "sourceType": "notebook"}},
+    ),
+    "local": Platform(
+        name="local", gpus="whatever this machine has", work_root="freetune-runs", persistent_root="freetune-runs",
+        secrets="the HF_TOKEN environment variable", time_limit_h=None, launches_ddp=False, metadata={},
+    ),
+}
+
+
+def detect() -> str:
+    """Which platform this process runs on: 'colab', 'kaggle' or 'local'."""
+    if "google.colab" in sys.modules or os.environ.get("COLAB_RELEASE_TAG"):
+        return "colab"
+    if os.environ.get("KAGGLE_KERNEL_RUN_TYPE") or os.environ.get("KAGGLE_URL_BASE"):
+        return "kaggle"
+    return "local"
+
+
+@dataclass(frozen=True)
+class Paths:
+    platform: str
+    run_dir: str          # everything of this run: checkpoints, adapter, reports
+    checkpoints: str      # Trainer checkpoints (resume from here)
+    adapter: str          # the final LoRA adapter
+    data: str             # the audited, cleaned data the training script reads
+    reports: str          # summaries, plots, evaluation
+
+    def make(self) -> "Paths":
+        for folder in (self.run_dir, self.checkpoints, self.data, self.reports):
+            Path(folder).mkdir(parents=True, exist_ok=True)
+        return self
+
+
+def resolve_paths(target: str | None, output_dir: str, run_name: str, use_drive: bool = False) -> Paths:
+    """The run's folders. target is the platform the notebook was built for; where it does not match the
+    machine (a Colab notebook in CI), local folders are used instead.
+
+    output_dir: the user's choice; empty picks the platform's default (Drive on Colab when use_drive is on).
+    """
+    actual = detect()
+    if target and target != actual:
+        print(f"Built for {target}, running on {actual}: using {actual} folders.")
+    platform = PLATFORMS[actual]
+    if output_dir:
+        root = output_dir
+    elif actual == "colab" and use_drive:
+        _mount_drive()
+        root = platform.persistent_root
+    else:
+        root = platform.work_root
+    run_dir = str(Path(root).expanduser() / run_name)
+    return Paths(platform=actual, run_dir=run_dir, checkpoints=f"{run_dir}/checkpoints",
+                 adapter=f"{run_dir}/adapter", data=f"{run_dir}/data", reports=f"{run_dir}/reports").make()
+
+
+def _mount_drive() -> None:
+    from google.colab import drive  # only importable on Colab
+
+    if not Path("/content/drive/MyDrive").exists():
+        drive.mount("/content/drive")

@@ -1,0 +1,237 @@
+"""Training: TRL's SFTTrainer configured from the plan, with what the user needs to see while it runs.
+
+At each log step one line: step, loss, learning rate, tokens/s, memory in use / peak, ETA (tqdm bars are
+unreadable in papermill output and in torchrun logs, so they are off). At the end the adapter is saved
+(main process only), and a summary (time, tokens, peak memory, first/last loss, adapter path) plus the log
+history go to reports/ as JSON; `show_summary` draws the loss and learning-rate plot from them, in the
+notebook, also after a torchrun job whose ranks printed elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+from freetune.distributed import COLLECTIVE_TIMEOUT_S, WriteTracer, check_replicas_agree, context, print0
+from freetune.errors import FreetuneError
+from freetune.platform import Paths
+from freetune.preflight import Plan
+
+SUMMARY_FILE = "run_summary.json"
+HISTORY_FILE = "log_history.json"
+
+
+def memory_gib() -> tuple[float, float, str]:
+    """(in use, peak, what was measured): GPU memory allocated by torch, or the process's RSS on a CPU."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return (torch.cuda.memory_allocated() / 2**30, torch.cuda.max_memory_allocated() / 2**30, "GPU")
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    try:
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except OSError:
+        rss = peak
+    return rss, peak, "RAM"
+
+
+def make_config(paths: Paths, plan: Plan, *, max_steps: int, micro_batch: int, grad_accum: int,
+                learning_rate: float, max_length: int, optimizer: str = "paged_adamw_8bit",
+                max_grad_norm: float = 1.0, warmup_ratio: float = 0.03, logging_steps: int = 1,
+                save_steps: int = 50, save_total_limit: int = 3, gradient_checkpointing: bool = True,
+                seed: int = 0, assistant_only: bool = False, num_epochs: float = 1.0):
+    """An SFTConfig that follows the plan's precision and device; every knob here is a recipe parameter."""
+    import torch
+    from trl import SFTConfig
+
+    if plan.device == "cpu" and ("paged" in optimizer or "8bit" in optimizer):
+        # bitsandbytes' paged/8-bit optimisers need CUDA; on a CPU the same run uses plain AdamW.
+        print0(f"Optimizer {optimizer} needs a GPU: using adamw_torch on the CPU.")
+        optimizer = "adamw_torch"
+    config = SFTConfig(
+        output_dir=paths.checkpoints,
+        max_steps=max_steps,
+        num_train_epochs=num_epochs,
+        per_device_train_batch_size=micro_batch,
+        gradient_accumulation_steps=grad_accum,
+        learning_rate=learning_rate,
+        lr_scheduler_type="cosine",
+        warmup_steps=max(1, math.ceil(warmup_ratio * max_steps)) if max_steps > 0 else 0,
+        optim=optimizer,
+        max_grad_norm=max_grad_norm,
+        fp16=plan.mixed_precision == "fp16",
+        bf16=plan.mixed_precision == "bf16",
+        use_cpu=plan.device == "cpu",
+        gradient_checkpointing=gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        max_length=max_length,
+        assistant_only_loss=assistant_only,
+        logging_steps=logging_steps,
+        logging_first_step=True,
+        save_strategy="steps",
+        save_steps=save_steps,
+        save_total_limit=save_total_limit,
+        report_to=[],
+        disable_tqdm=True,
+        seed=seed,
+        data_seed=seed,
+        # DDP: every LoRA weight gets a gradient each step, so the unused-parameter search is pure overhead;
+        # a finite timeout ends the job within minutes when one rank dies.
+        ddp_find_unused_parameters=False,
+        ddp_timeout=COLLECTIVE_TIMEOUT_S,
+        dataloader_num_workers=0,
+    )
+    if plan.device == "cuda" and torch.cuda.device_count() > 1 and "LOCAL_RANK" not in os.environ:
+        # One process that sees two GPUs makes the Trainer wrap the model in nn.DataParallel, which SFTTrainer
+        # refuses. Inline training uses one GPU; the Kaggle notebook's torchrun cell uses them all.
+        _ = config.device
+        config._n_gpu = 1
+        print0(f"{torch.cuda.device_count()} GPUs visible: this inline run uses GPU 0 only. "
+               f"The torchrun (DDP) cell trains on all of them.")
+    return config
+
+
+class ProgressPrinter:
+    """A TrainerCallback printing one readable line per log step (built lazily: transformers imports late)."""
+
+    def __new__(cls, total_steps: int):
+        from transformers import TrainerCallback
+
+        class _Printer(TrainerCallback):
+            def __init__(self):
+                self.start = None
+                self.last = None
+
+            def on_train_begin(self, args, state, control, **kwargs):
+                self.start = time.time()
+                self.last = (self.start, state.global_step, None)
+
+            def on_log(self, args, state, control, logs=None, **kwargs):
+                if not state.is_world_process_zero or not logs or "loss" not in logs:
+                    return
+                now = time.time()
+                used, peak, where = memory_gib()
+                tokens = logs.get("num_tokens")
+                t0, step0, tokens0 = self.last
+                rate = ""
+                if tokens is not None and tokens0 is not None and now > t0:
+                    rate = f"{(tokens - tokens0) / (now - t0):8.0f} tok/s"
+                done = max(state.global_step, 1)
+                eta = (now - self.start) / done * max(total_steps - state.global_step, 0)
+                print(f"step {state.global_step:>5}/{total_steps}  loss {logs['loss']:.4f}  "
+                      f"lr {logs.get('learning_rate', 0):.2e}  {rate}  {where} {used:.2f}/{peak:.2f} GiB  "
+                      f"ETA {eta / 60:5.1f} min", flush=True)
+                self.last = (now, state.global_step, tokens)
+
+        return _Printer()
+
+
+def train(model, tokenizer, train_dataset, config, *, paths: Paths, eval_dataset=None, resume: bool = True,
+          extra_callbacks=()):
+    """Run SFTTrainer, save the adapter (main process), write the summary; returns the summary dict."""
+    import torch
+    from trl import SFTTrainer
+
+    if len(train_dataset) == 0:
+        raise FreetuneError("No training rows left (after cleaning). Check the data set and the audit above.")
+    trainer = SFTTrainer(model=model, args=config, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                         processing_class=tokenizer,
+                         callbacks=[ProgressPrinter(config.max_steps), *extra_callbacks])
+    from transformers.trainer_callback import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)  # it prints raw log dicts; ProgressPrinter prints one clean line
+    resume_from = latest_checkpoint(paths.checkpoints) if resume else None
+    if resume_from:
+        print0(f"Resuming from {resume_from}")
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    start = time.time()
+    result = trainer.train(resume_from_checkpoint=resume_from)
+    wall = time.time() - start
+    check_replicas_agree(trainer.model)
+
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    tokens = max((h.get("num_tokens", 0) for h in trainer.state.log_history), default=0)
+    _, peak, where = memory_gib()
+    summary = {
+        "steps": trainer.state.global_step,
+        "first_loss": losses[0] if losses else None,
+        "last_loss": losses[-1] if losses else None,
+        "train_loss": result.training_loss,
+        "wall_s": round(wall, 2),
+        "tokens": int(tokens),
+        "tokens_per_s": round(tokens / wall, 1) if wall > 0 else None,
+        "peak_memory_gib": round(peak, 3),
+        "peak_memory_of": where,
+        "world_size": trainer.args.world_size,
+        "adapter": paths.adapter,
+    }
+    if trainer.is_world_process_zero():
+        trainer.save_model(paths.adapter)
+        tokenizer.save_pretrained(paths.adapter)
+        reports = Path(paths.reports)
+        (reports / HISTORY_FILE).write_text(json.dumps(trainer.state.log_history, indent=1))
+        (reports / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, sort_keys=True))
+    if WriteTracer.active is not None:
+        WriteTracer.active.report(context().rank, paths.run_dir)
+    return summary
+
+
+def latest_checkpoint(checkpoints_dir: str) -> str | None:
+    """The newest complete Trainer checkpoint, or None."""
+    folder = Path(checkpoints_dir)
+    if not folder.exists():
+        return None
+    candidates = sorted((p for p in folder.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()
+                         and (p / "trainer_state.json").exists()), key=lambda p: int(p.name.split("-")[-1]))
+    return str(candidates[-1]) if candidates else None
+
+
+def show_summary(paths: Paths) -> dict:
+    """Print the run summary and draw loss / learning rate against step (works after a torchrun job too)."""
+    reports = Path(paths.reports)
+    summary_path = reports / SUMMARY_FILE
+    if not summary_path.exists():
+        raise FreetuneError(f"No training summary at {summary_path}: the training step did not finish. "
+                            f"Scroll up to its error, fix it, and run the training cell again (it resumes).")
+    summary = json.loads(summary_path.read_text())
+    history = json.loads((reports / HISTORY_FILE).read_text())
+    print(f"Trained {summary['steps']} steps in {summary['wall_s'] / 60:.1f} min on {summary['world_size']} "
+          f"process(es): {summary['tokens']:,} tokens ({summary['tokens_per_s']} tok/s), peak "
+          f"{summary['peak_memory_of']} {summary['peak_memory_gib']:.2f} GiB, loss {summary['first_loss']:.4f} -> "
+          f"{summary['last_loss']:.4f}. Adapter: {summary['adapter']}")
+    points = [(h["step"], h["loss"], h.get("learning_rate")) for h in history if "loss" in h]
+    if points:
+        import matplotlib
+
+        if "ipykernel" not in os.environ.get("MPLBACKEND", "") and not _in_notebook():
+            matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, (ax_loss, ax_lr) = plt.subplots(1, 2, figsize=(10, 3.2))
+        steps = [p[0] for p in points]
+        ax_loss.plot(steps, [p[1] for p in points], marker=".")
+        ax_loss.set(title="training loss", xlabel="step")
+        ax_lr.plot(steps, [p[2] or 0 for p in points], color="tab:orange")
+        ax_lr.set(title="learning rate", xlabel="step")
+        fig.tight_layout()
+        fig.savefig(reports / "loss.png", dpi=90)
+        if _in_notebook():
+            plt.show()
+        plt.close(fig)
+    return summary
+
+
+def _in_notebook() -> bool:
+    try:
+        from IPython import get_ipython
+
+        return get_ipython() is not None and "IPKernelApp" in get_ipython().config
+    except ImportError:
+        return False

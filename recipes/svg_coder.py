@@ -1,0 +1,157 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # SVG coder: teach Qwen2.5-Coder-1.5B to answer with SVG code
+#
+# **What it trains:** a LoRA adapter (QLoRA: 4-bit base model, 16-bit adapter) on
+# [thesantatitan/deepseek-svg-dataset](https://huggingface.co/datasets/thesantatitan/deepseek-svg-dataset):
+# a description goes in, SVG code comes out. **GPU:** one T4 (Colab's free tier) is enough: about 6 GB at
+# the defaults. On Kaggle's T4 x2 the training runs on both GPUs at once (DDP).
+#
+# The story, the same in every freetune recipe: parameters -> install -> preflight -> data audit -> model ->
+# train -> evaluate -> export. Change the parameters cell, then run everything.
+
+# %% tags=["parameters"]
+model_id: str = "Qwen/Qwen2.5-Coder-1.5B-Instruct"  # hub id or local folder; a bigger model draws better, needs more VRAM
+dataset: str = "thesantatitan/deepseek-svg-dataset"  # hub id or local .jsonl/.parquet/.csv with prompt/completion
+dataset_split: str = "train"  # which split of the hub data set to read
+columns: dict = {}  # map your columns to freetune's, e.g. {"prompt": "description", "completion": "svg"}
+system_prompt: str = "You are an SVG artist. Answer with one complete SVG document and nothing else."  # shown to the model in every row
+eval_rows: int = 16  # rows held out (never trained on) for the base-vs-adapter check at the end
+max_steps: int = 300  # optimizer steps; each sees micro_batch x grad_accum x GPUs rows (~40 min on a T4)
+micro_batch: int = 2  # rows per GPU per forward pass; higher is faster until memory runs out
+grad_accum: int = 8  # micro-batches summed per optimizer step; raises the batch without raising memory
+learning_rate: float = 2e-4  # LoRA tolerates a higher rate than full fine-tuning; lower it if the loss spikes
+max_length: int = 1024  # tokens per row; longer rows are cut (the audit shows how many), memory grows with it
+lora_rank: int = 16  # adapter capacity: higher learns more, costs memory and time
+lora_alpha: int = 32  # adapter scale; 2 x rank is the usual choice
+lora_dropout: float = 0.05  # regularises small data sets; 0 for large ones
+lora_targets: str = "all-linear"  # which layers get an adapter; all linear layers learns best per parameter
+optimizer: str = "paged_adamw_8bit"  # 8-bit paged AdamW: a quarter of AdamW's state memory (GPU only)
+max_grad_norm: float = 1.0  # gradient clipping; lower (0.3) steadies small batches
+gradient_checkpointing: bool = True  # recompute activations in backward: ~30% slower, far less memory
+precision: str = "auto"  # "auto" picks from the GPU; "fp16" forces the T4 policy, "bf16" the Ampere+ one
+save_steps: int = 50  # checkpoint every N steps, so a lost session resumes instead of restarting
+logging_steps: int = 5  # print progress (loss, tokens/s, memory, ETA) every N steps
+output_dir: str = ""  # empty: the platform's default (Kaggle /kaggle/working, Colab /content or Drive)
+run_name: str = "svg-coder"  # folder name of this run; reuse it to resume, change it to start fresh
+use_drive: bool = False  # Colab: keep checkpoints on Google Drive so they outlive the session
+auto_clean: bool = True  # drop the rows the audit flags (empty, junk repeats, invalid SVG) before training
+accept_data_problems: bool = False  # True: train even if blocking data problems remain (you have looked)
+ddp_processes: int = 0  # Kaggle/torchrun: processes to start, 0 = one per visible GPU
+sanity_rows: int = 6  # prompts generated from, base vs adapter, in the evaluation
+max_new_tokens: int = 512  # generation length in the evaluation; SVGs need a few hundred tokens
+seed: int = 0  # data order, held-out rows and LoRA initialisation
+
+# %% tags=["install"]
+# Replaced in each notebook by build_notebooks.py with that platform's pinned install.
+# Locally: pip install -e ".[train,tasks]"
+
+# %% [markdown]
+# ## Preflight
+# Reads the machine before anything is loaded: GPU, compute capability, memory, disk. It refuses a GPU the
+# installed PyTorch cannot run (Kaggle's P100) and picks the precision: fp16 on a T4 (no fast bf16 there),
+# bf16 on Ampere and newer, fp32 on a CPU, each with its reason.
+
+# %%
+import freetune
+
+params = freetune.params.check(globals())
+plan = freetune.preflight.make_plan(
+    max_length=max_length, micro_batch=micro_batch, grad_accum=grad_accum, lora_rank=lora_rank,
+    gradient_checkpointing=gradient_checkpointing, optimizer=optimizer, precision=precision,
+)
+plan
+
+# %% tags=["paths"]
+paths = freetune.platform.resolve_paths(target=None, output_dir=output_dir, run_name=run_name, use_drive=use_drive)
+print(f"run folder: {paths.run_dir}")
+
+# %% [markdown]
+# ## Data audit
+# Before any GPU time: load the rows, check them, clean them. A public SVG set once had 84 of 4,750 answers
+# equal to a pipeline's error string "No valid response from model."; a model trained on it answered that
+# to everything. The audit finds such rows (and empty, invalid, duplicated, over-long ones) and, by default,
+# removes them and stops if anything blocking remains.
+
+# %%
+tokenizer = freetune.model.load_tokenizer(model_id)
+rows = freetune.data.normalize(freetune.data.load_rows(dataset, split=dataset_split), columns=columns)
+rows = freetune.data.as_chat(rows, system_prompt)  # an instruct model learns best in its own chat format
+train_rows, held_out = freetune.data.split_eval(rows, eval_rows, seed=seed)
+print(freetune.model.check_chat_template(tokenizer, train_rows))
+train_rows, audit_report, cleaning = freetune.audit.audit_and_clean(
+    train_rows, tokenizer=tokenizer, max_length=max_length, checks=freetune.tasks.svg.AUDIT_CHECKS,
+    eval_dataset=held_out, auto_clean=auto_clean, accept_problems=accept_data_problems,
+)
+freetune.data.save_prepared(paths.data, train_rows, held_out)
+
+# %% [markdown]
+# Why a few identical rows matter: the loss is computed only on the answers, so a short answer repeated in
+# many rows is the cheapest thing for the model to learn. Its loss goes to zero first, and the model learns that
+# this answer is always likely, for any prompt.
+
+# %% [markdown]
+# ## Model
+# The base model is loaded in 4-bit NF4 (about 0.5 byte per weight), frozen, and a small LoRA adapter is
+# trained on top. Its non-quantised weights load in the plan's dtype, not the checkpoint's: a T4 must not
+# get bfloat16 weights. On several GPUs each process loads a full copy on its own GPU (DDP): splitting the
+# layers across GPUs (`device_map="auto"`) would run them one after another, no faster than one GPU.
+
+# %% tags=["train"]
+dist = freetune.distributed.init()
+train_rows, held_out = freetune.data.load_prepared(paths.data)
+tokenizer = freetune.model.load_tokenizer(model_id)
+model = freetune.model.load_base_model(model_id, plan, local_rank=dist.local_rank,
+                                       gradient_checkpointing=gradient_checkpointing)
+model, trainable, total = freetune.model.attach_lora(model, rank=lora_rank, alpha=lora_alpha,
+                                                     dropout=lora_dropout, target_modules=lora_targets)
+freetune.distributed.print_layout(dist, micro_batch, grad_accum, trainable, total)
+
+# %% [markdown]
+# ## Train
+# One line per log step: loss, learning rate, tokens/s, memory in use / peak, and the time left.
+# Checkpoints land in the run folder every `save_steps`; running this again resumes from the newest one.
+
+# %% tags=["train"]
+config = freetune.train.make_config(
+    paths, plan, max_steps=max_steps, micro_batch=micro_batch, grad_accum=grad_accum,
+    learning_rate=learning_rate, max_length=max_length, optimizer=optimizer, max_grad_norm=max_grad_norm,
+    logging_steps=logging_steps, save_steps=save_steps, gradient_checkpointing=gradient_checkpointing,
+    seed=seed, assistant_only="messages" in train_rows.column_names,
+)
+summary = freetune.train.train(model, tokenizer, train_rows, config, paths=paths)
+del model  # free the GPU for the evaluation below
+freetune.distributed.cleanup()
+
+# %%
+summary = freetune.train.show_summary(paths)
+
+# %% [markdown]
+# ## Evaluate
+# A falling loss proves little: this generates from held-out prompts with the base model and with the
+# adapter, checks the SVG (well-formed, renders, valid tags), and says plainly if the adapter has collapsed
+# into one answer for every prompt.
+
+# %%
+comparison = freetune.sanity.compare(model_id, paths.adapter, held_out, task="svg", rows=sanity_rows,
+                                     max_new_tokens=max_new_tokens, reports_dir=paths.reports)
+comparison
+
+# %% [markdown]
+# ## Export
+# The adapter is saved in the run folder. To run the model at home, merge it, convert it to GGUF and serve it
+# with Ollama: see the export section of the README (`freetune.export`).
+
+# %%
+print(f"Adapter: {paths.adapter}")

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Set up a fresh machine for freetune development: a .venv with the CPU build of torch and every extra.
+# Idempotent: a second run only checks. Used by the README's two commands and by .ci/run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# cairosvg renders SVG through the cairo C library (the SVG recipe's metrics and side-by-side image).
+if ! ldconfig -p 2>/dev/null | grep -q libcairo.so.2; then
+    if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+        apt-get update -qq && apt-get install -y -qq libcairo2 >/dev/null
+    else
+        echo "warning: libcairo2 is missing (apt-get install libcairo2); SVG rendering checks will fail" >&2
+    fi
+fi
+
+if [ ! -x .venv/bin/python ]; then
+    python3 -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+# torch first, pinned to the CPU build: an unpinned torch would pull a multi-GB CUDA build.
+.venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[train,tasks,dev]"
+.venv/bin/python -c "import torch, transformers, trl, peft, bitsandbytes, freetune; print('ready: torch', torch.__version__, '| transformers', transformers.__version__, '| trl', trl.__version__, '| freetune', freetune.__version__)"

@@ -1,0 +1,99 @@
+"""The builder: recipes x targets -> notebooks, deterministic, with the platform table applied to tagged cells."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import nbformat
+import pytest
+
+from conftest import REPO
+
+sys.path.insert(0, str(REPO))
+import build_notebooks  # noqa: E402
+
+RECIPES = sorted(p.stem for p in (REPO / "recipes").glob("*.py"))
+
+
+def test_committed_notebooks_are_up_to_date():
+    result = subprocess.run([sys.executable, "build_notebooks.py", "--check"], cwd=REPO, capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_check_fails_and_names_the_stale_notebook_after_a_recipe_edit(tmp_path):
+    for item in ("build_notebooks.py", "pyproject.toml", "recipes", "notebooks", "freetune"):
+        source = REPO / item
+        (shutil.copytree if source.is_dir() else shutil.copy)(source, tmp_path / item)
+    recipe = tmp_path / "recipes" / "svg_coder.py"
+    recipe.write_text(recipe.read_text().replace("max_steps: int = 300", "max_steps: int = 301"))
+    result = subprocess.run([sys.executable, "build_notebooks.py", "--check"], cwd=tmp_path, capture_output=True,
+                            text=True)
+    assert result.returncode == 1
+    assert "stale: notebooks/colab/svg_coder.ipynb" in result.stdout
+    assert "stale: notebooks/kaggle/svg_coder.ipynb" in result.stdout
+    # Rebuilding fixes it.
+    subprocess.run([sys.executable, "build_notebooks.py"], cwd=tmp_path, check=True, capture_output=True)
+    again = subprocess.run([sys.executable, "build_notebooks.py", "--check"], cwd=tmp_path, capture_output=True,
+                           text=True)
+    assert again.returncode == 0, again.stdout
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("target", build_notebooks.TARGETS)
+def test_notebook_shape(recipe, target):
+    nb = build_notebooks.render(REPO / "recipes" / f"{recipe}.py", target)
+    text = nbformat.writes(nb)
+    assert text == nbformat.writes(build_notebooks.render(REPO / "recipes" / f"{recipe}.py", target))
+    assert f"generated from recipes/{recipe}.py" in nb.cells[0].source
+    assert nb.metadata["kernelspec"]["name"] == "python3"
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert code[0].metadata["tags"] == ["parameters"], "the parameters cell must be the first code cell"
+    assert all(c.get("outputs", []) == [] and c.get("execution_count") is None for c in code)
+    install = next(c for c in code if "install" in c.metadata.get("tags", []))
+    assert "find_spec(\"freetune\") is None" in install.source
+    assert "transformers==5.17.0" in install.source and "trl==1.16.0" in install.source
+    assert '"torch' not in install.source, "the install cell must never reinstall the platform's torch"
+    assert "--no-deps" in install.source and "git+https://github.com/" in install.source
+    paths_cell = next(c for c in code if "paths" in c.metadata.get("tags", []))
+    assert f"target={target!r}" in paths_cell.source
+    if target == "colab":
+        assert nb.metadata["accelerator"] == "GPU" and nb.metadata["colab"]["gpuType"] == "T4"
+    else:
+        assert nb.metadata["kaggle"]["accelerator"] == "nvidiaTeslaT4"
+        assert nb.metadata["kaggle"]["isInternetEnabled"] is True
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_kaggle_training_code_exists_once_in_the_recipe(recipe):
+    import jupytext
+
+    source = jupytext.read(REPO / "recipes" / f"{recipe}.py")
+    train_cells = [c.source.strip() for c in source.cells if "train" in c.metadata.get("tags", [])]
+    assert train_cells, "a recipe tags its training cells `train`"
+    kaggle = build_notebooks.render(REPO / "recipes" / f"{recipe}.py", "kaggle")
+    colab = build_notebooks.render(REPO / "recipes" / f"{recipe}.py", "colab")
+    script = next(c.source for c in kaggle.cells if c.source.startswith("%%writefile train_ddp.py"))
+    for cell in train_cells:
+        assert cell in script  # the script is made of the recipe's own cells
+        assert not any(c.source.strip() == cell for c in kaggle.cells)  # ...and they do not also run inline
+        assert any(c.source.strip() == cell for c in colab.cells)  # Colab runs them inline
+    launch = next(c.source for c in kaggle.cells if "run_torchrun" in c.source)
+    for name in build_notebooks.parameter_names(next(c.source for c in source.cells
+                                                     if "parameters" in c.metadata.get("tags", []))):
+        assert f"{name!r}: {name}," in launch  # every parameter reaches the ranks
+
+
+def test_parameters_cell_must_hold_literals(tmp_path):
+    with pytest.raises(SystemExit, match="literal"):
+        build_notebooks.parameter_names("steps: int = 10\ntotal: int = steps * 2  # derived\n")
+    with pytest.raises(SystemExit, match="name: type = literal"):
+        build_notebooks.parameter_names("import os\n")
+
+
+def test_generated_json_is_stable_text():
+    path = REPO / "notebooks" / "colab" / "svg_coder.ipynb"
+    data = json.loads(path.read_text())
+    assert data["nbformat"] == 4 and all("id" in c for c in data["cells"])
+    assert "execution" not in json.dumps(data["metadata"]) and "papermill" not in json.dumps(data["metadata"])

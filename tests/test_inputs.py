@@ -1,0 +1,107 @@
+"""Bad input stops with a message that says what to change, before any model is loaded."""
+
+import json
+
+import pytest
+
+from freetune import data, model, params
+from freetune.errors import FreetuneError
+from freetune.preflight import make_plan
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_missing_data_file(tmp_path):
+    with pytest.raises(FreetuneError, match="does not exist.*`dataset` parameter"):
+        data.load_rows(str(tmp_path / "nope.jsonl"))
+
+
+def test_unreadable_file_type(tmp_path):
+    (tmp_path / "rows.txt").write_text("hello")
+    with pytest.raises(FreetuneError, match="freetune reads"):
+        data.load_rows(str(tmp_path / "rows.txt"))
+
+
+def test_malformed_json(tmp_path):
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "a", "completion": \n')
+    with pytest.raises(FreetuneError, match="Could not read data set file"):
+        data.load_rows(str(tmp_path / "bad.jsonl"))
+
+
+def test_unreachable_hub_id():
+    # Tests run offline (HF_HUB_OFFLINE=1), exactly like a notebook without internet.
+    with pytest.raises(FreetuneError, match="Could not load data set 'no-such-user/no-such-set'.*online"):
+        data.load_rows("no-such-user/no-such-set")
+
+
+def test_missing_columns_are_named(tmp_path):
+    rows = data.load_rows(write_jsonl(tmp_path / "d.jsonl", [{"question": "q", "answer": "a"}]))
+    with pytest.raises(FreetuneError, match=r"Cannot tell which columns.*\['answer', 'question'\].*`columns`"):
+        data.normalize(rows)
+    with pytest.raises(FreetuneError, match=r"names \['output'\], which the data set does not have"):
+        data.normalize(rows, columns={"prompt": "question", "completion": "output"})
+
+
+def test_empty_data_set(tmp_path):
+    import datasets
+
+    with pytest.raises(FreetuneError, match="no rows"):
+        data.normalize(datasets.Dataset.from_list([]))
+
+
+def test_instruction_input_output_mapping(tmp_path):
+    rows = data.load_rows(write_jsonl(tmp_path / "alpaca.jsonl", [
+        {"instruction": "Add the numbers.", "input": "2 and 3", "output": "5"},
+        {"instruction": "Say hi.", "input": "", "output": "hi"},
+    ]))
+    out = data.normalize(rows, columns={"prompt": ["instruction", "input"], "completion": "output"})
+    assert out.column_names == ["prompt", "completion"]
+    assert out[0] == {"prompt": "Add the numbers.\n\n2 and 3", "completion": "5"}
+    assert out[1]["prompt"] == "Say hi."  # empty input is skipped, not joined as a blank line
+
+
+def test_prompt_completion_message_lists_and_messages(tmp_path, home_assistant_sample):
+    rows = data.load_rows(write_jsonl(tmp_path / "pc.jsonl", [
+        {"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "assistant", "content": "yo"}]}]))
+    out = data.normalize(rows, system_prompt="be brief")
+    assert out[0]["prompt"][0] == {"role": "system", "content": "be brief"}
+    assert data.completion_text(out[0]) == "yo"
+    chats = data.normalize(data.load_rows(str(home_assistant_sample)))
+    assert chats.column_names == ["messages"] and chats[0]["messages"][-1]["role"] == "assistant"
+
+
+def test_messages_without_assistant_turn(tmp_path):
+    rows = data.load_rows(write_jsonl(tmp_path / "m.jsonl", [{"messages": [{"role": "user", "content": "x"}]}]))
+    with pytest.raises(FreetuneError, match="no assistant turn"):
+        data.normalize(rows)
+
+
+def test_model_path_that_does_not_exist(tmp_path):
+    with pytest.raises(FreetuneError, match="does not exist.*`model_id`"):
+        model.load_tokenizer(str(tmp_path / "missing-model"))
+    with pytest.raises(FreetuneError, match="does not exist.*`model_id`"):
+        model.load_base_model(str(tmp_path / "missing-model"), make_plan())
+
+
+def test_chat_template_that_cannot_mark_assistant_turns(tiny_model_dir, home_assistant_sample):
+    tokenizer = model.load_tokenizer(str(tiny_model_dir))
+    chats = data.normalize(data.load_rows(str(home_assistant_sample)))
+    assert "assistant turns only" in model.check_chat_template(tokenizer, chats)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    with pytest.raises(FreetuneError, match="cannot mark assistant turns.*prompt`/`completion"):
+        model.check_chat_template(tokenizer, chats)
+
+
+def test_parameter_of_the_wrong_type():
+    namespace = {"__annotations__": {"max_steps": int, "learning_rate": float, "columns": dict, "run_name": str},
+                 "max_steps": "fifty", "learning_rate": 1, "columns": {}, "run_name": "x"}
+    with pytest.raises(FreetuneError, match=r"max_steps = 'fifty' \(str\), but it must be int"):
+        params.check(namespace)
+    namespace["max_steps"] = 50
+    assert params.check(namespace) == {"max_steps": 50, "learning_rate": 1.0, "columns": {}, "run_name": "x"}
+    namespace["max_steps"] = True  # a bool is not a step count
+    with pytest.raises(FreetuneError):
+        params.check(namespace)
