@@ -4,6 +4,7 @@ Deterministic (seeded), so rerunning it reproduces the committed files byte for 
 varied on purpose: the embedded default and CI train on them with a tiny model on a CPU.
 
 - svg_sample.jsonl: like thesantatitan/deepseek-svg-dataset: `prompt` (a description) -> `completion` (SVG code).
+- alpaca_sample.jsonl: instruction / input / output rows, trained through a column mapping.
 - home_assistant_sample.jsonl: like a Home Assistant requests -> JSON action set, as `messages`: a system turn
   listing the home's entities, the user's request, and the assistant's JSON action.
 
@@ -102,6 +103,28 @@ def home_assistant_rows(n: int, rng: random.Random) -> list[dict]:
     return rows
 
 
+def alpaca_rows(n: int, rng: random.Random) -> list[dict]:
+    """instruction / input / output rows (the Alpaca shape), for the column-mapping path."""
+    rows = []
+    for _ in range(n):
+        kind = rng.choice(["add", "reverse", "upper", "count"])
+        if kind == "add":
+            a, b = rng.randint(1, 99), rng.randint(1, 99)
+            rows.append({"instruction": "Add the two numbers.", "input": f"{a} and {b}", "output": str(a + b)})
+        elif kind == "reverse":
+            word = rng.choice(["kitchen", "garden", "window", "yellow", "planet", "rocket", "silver"])
+            rows.append({"instruction": "Write the word backwards.", "input": word, "output": word[::-1]})
+        elif kind == "upper":
+            phrase = " ".join(rng.sample(["red", "fast", "cat", "home", "blue", "light", "open", "door"], 3))
+            rows.append({"instruction": "Repeat the phrase in capital letters.", "input": phrase,
+                         "output": phrase.upper()})
+        else:
+            colour = rng.choice(COLOURS)
+            rows.append({"instruction": f"How many letters are in the word {colour}?", "input": "",
+                         "output": f"The word {colour} has {len(colour)} letters."})
+    return rows
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(row, sort_keys=True) + "\n" for row in rows))
 
@@ -114,7 +137,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     write_jsonl(out / "svg_sample.jsonl", svg_rows(240, random.Random(0)))
     write_jsonl(out / "home_assistant_sample.jsonl", home_assistant_rows(240, random.Random(1)))
-    print(f"wrote {out}/svg_sample.jsonl and {out}/home_assistant_sample.jsonl")
+    write_jsonl(out / "alpaca_sample.jsonl", alpaca_rows(240, random.Random(2)))
+    print(f"wrote svg_sample.jsonl, home_assistant_sample.jsonl and alpaca_sample.jsonl to {out}")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 EMBEDDED = {
     "svg_coder": {"architecture": "qwen2", "sample": "svg"},
     "home_assistant": {"architecture": "qwen3", "sample": "home_assistant"},
-    "tiny_4gb": {"architecture": "llama", "sample": "svg"},
+    "tiny_4gb": {"architecture": "llama", "sample": "alpaca"},
 }
 CPU_SIZED = {"max_steps": 8, "micro_batch": 2, "grad_accum": 1, "max_length": 256, "learning_rate": 2e-2,
              "logging_steps": 1, "save_steps": 4, "eval_rows": 8, "sanity_rows": 2, "max_new_tokens": 32}

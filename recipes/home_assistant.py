@@ -1,0 +1,160 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Home Assistant: Qwen3-8B turns requests into JSON actions, on Kaggle's two T4s
+#
+# **What it trains:** a LoRA adapter on Qwen3-8B in 4-bit so that "turn off the kitchen light" becomes
+# `{"domain": "light", "service": "turn_off", "target": {"entity_id": "light.kitchen_light"}, "data": {}}`,
+# naming only devices the home actually has. Data: a Home Assistant requests -> JSON action set as chat
+# `messages` (tuxevil/Home-Assistant-Requests-V3 by default, 3,561 training examples).
+# **GPU:** Kaggle "GPU T4 x2": the training cells run as `train_ddp.py` under `torchrun`, one full 4-bit copy
+# of the model per GPU (DDP), global batch 16 = 2 GPUs x 1 row x 8 accumulation steps. About 6 GB per T4.
+#
+# **Why DDP and not `device_map="auto"`:** splitting the layers across two GPUs makes them take turns (GPU 1
+# waits while GPU 0 computes its half, then the other way round), so it is no faster than one GPU; it only
+# helps a model that does not fit one card. DDP gives each GPU its own copy and its own rows; they only
+# exchange the small LoRA gradients, so two GPUs do about twice the work.
+
+# %% tags=["parameters"]
+model_id: str = "Qwen/Qwen3-8B"  # hub id or local folder; a pre-quantised 4-bit copy of Qwen3-8B loads faster
+dataset: str = "tuxevil/Home-Assistant-Requests-V3"  # hub id or local file with chat `messages`
+dataset_split: str = "train"  # which split of the hub data set to read
+columns: dict = {}  # map your columns to freetune's, e.g. {"messages": "conversation"}
+system_prompt: str = ""  # prepended to rows without a system turn; the rows carry the home's devices already
+eval_rows: int = 16  # rows held out (never trained on) for the base-vs-adapter check at the end
+max_steps: int = 200  # optimizer steps; each sees micro_batch x grad_accum x GPUs rows (global 16 on T4 x2)
+micro_batch: int = 1  # rows per GPU per forward pass; 8B on a T4 leaves room for 1 at 1,024 tokens
+grad_accum: int = 8  # micro-batches summed per optimizer step; raises the batch without raising memory
+learning_rate: float = 1e-4  # lower than for small models: an 8B model moves further per step
+max_length: int = 1024  # tokens per row; the device list makes prompts long (the audit shows the lengths)
+lora_rank: int = 16  # adapter capacity (r16 on all linear layers = 43.6 M trainable parameters on Qwen3-8B)
+lora_alpha: int = 32  # adapter scale; 2 x rank is the usual choice
+lora_dropout: float = 0.05  # regularises small data sets; 0 for large ones
+lora_targets: str = "all-linear"  # which layers get an adapter; all linear layers learns best per parameter
+optimizer: str = "paged_adamw_8bit"  # 8-bit paged AdamW: a quarter of AdamW's state memory (GPU only)
+max_grad_norm: float = 1.0  # gradient clipping; lower (0.3) steadies small batches
+gradient_checkpointing: bool = True  # recompute activations in backward: ~30% slower, far less memory
+precision: str = "auto"  # "auto" picks from the GPU; "fp16" forces the T4 policy, "bf16" the Ampere+ one
+save_steps: int = 25  # checkpoint every N steps, so a stopped session resumes instead of restarting
+logging_steps: int = 5  # print progress (loss, tokens/s, memory, ETA) every N steps
+output_dir: str = ""  # empty: the platform's default (Kaggle /kaggle/working, Colab /content or Drive)
+run_name: str = "home-assistant"  # folder name of this run; reuse it to resume, change it to start fresh
+use_drive: bool = False  # Colab: keep checkpoints on Google Drive so they outlive the session
+auto_clean: bool = True  # drop the rows the audit flags (invalid JSON, unknown entities, junk repeats)
+accept_data_problems: bool = False  # True: train even if blocking data problems remain (you have looked)
+ddp_processes: int = 0  # torchrun processes to start, 0 = one per visible GPU (2 on Kaggle T4 x2)
+sanity_rows: int = 8  # requests generated from, base vs adapter, in the evaluation
+max_new_tokens: int = 128  # generation length in the evaluation; one JSON action is short
+seed: int = 0  # data order, held-out rows and LoRA initialisation
+
+# %% tags=["install"]
+# Replaced in each notebook by build_notebooks.py with that platform's pinned install.
+# Locally: pip install -e ".[train,tasks]"
+
+# %% [markdown]
+# ## Preflight
+# Reads the machine before anything is loaded: GPU, compute capability, memory, disk. It refuses a GPU the
+# installed PyTorch cannot run (Kaggle's P100) and picks the precision: fp16 on a T4 (no fast bf16 there),
+# bf16 on Ampere and newer, fp32 on a CPU, each with its reason.
+
+# %%
+import freetune
+
+params = freetune.params.check(globals())
+plan = freetune.preflight.make_plan(
+    max_length=max_length, micro_batch=micro_batch, grad_accum=grad_accum, lora_rank=lora_rank,
+    gradient_checkpointing=gradient_checkpointing, optimizer=optimizer, precision=precision,
+)
+plan
+
+# %% tags=["paths"]
+paths = freetune.platform.resolve_paths(target=None, output_dir=output_dir, run_name=run_name, use_drive=use_drive)
+print(f"run folder: {paths.run_dir}")
+
+# %% [markdown]
+# ## Data audit
+# Before any GPU time: load the rows, check them, clean them. Every answer must be one JSON action that
+# matches the schema (domain, service, target.entity_id, data) and names only devices listed in that row's
+# system turn: a model trained on actions for devices the home does not have learns to invent devices.
+
+# %%
+tokenizer = freetune.model.load_tokenizer(model_id)
+rows = freetune.data.normalize(freetune.data.load_rows(dataset, split=dataset_split), columns=columns,
+                              system_prompt=system_prompt or None)
+train_rows, held_out = freetune.data.split_eval(rows, eval_rows, seed=seed)
+print(freetune.model.check_chat_template(tokenizer, train_rows))
+train_rows, audit_report, cleaning = freetune.audit.audit_and_clean(
+    train_rows, tokenizer=tokenizer, max_length=max_length, checks=freetune.tasks.home_assistant.AUDIT_CHECKS,
+    eval_dataset=held_out, auto_clean=auto_clean, accept_problems=accept_data_problems,
+)
+freetune.data.save_prepared(paths.data, train_rows, held_out)
+
+# %% [markdown]
+# Why a few identical rows matter: the loss is computed only on the answers, so a short answer repeated in
+# many rows is the cheapest thing for the model to learn. Its loss goes to zero first, and the model learns that
+# this answer is always likely, for any prompt.
+
+# %% [markdown]
+# ## Model
+# The base model is loaded in 4-bit NF4 (about 0.5 byte per weight), frozen, and a small LoRA adapter is
+# trained on top. Its non-quantised weights load in the plan's dtype, not the checkpoint's: a T4 must not
+# get bfloat16 weights. On several GPUs each process loads a full copy on its own GPU (DDP): splitting the
+# layers across GPUs (`device_map="auto"`) would run them one after another, no faster than one GPU.
+
+# %% tags=["train"]
+dist = freetune.distributed.init()
+train_rows, held_out = freetune.data.load_prepared(paths.data)
+tokenizer = freetune.model.load_tokenizer(model_id)
+model = freetune.model.load_base_model(model_id, plan, local_rank=dist.local_rank,
+                                       gradient_checkpointing=gradient_checkpointing)
+model, trainable, total = freetune.model.attach_lora(model, rank=lora_rank, alpha=lora_alpha,
+                                                     dropout=lora_dropout, target_modules=lora_targets)
+freetune.distributed.print_layout(dist, micro_batch, grad_accum, trainable, total)
+
+# %% [markdown]
+# ## Train
+# One line per log step: loss, learning rate, tokens/s, memory in use / peak, and the time left.
+# Checkpoints land in the run folder every `save_steps`; running this again resumes from the newest one.
+
+# %% tags=["train"]
+config = freetune.train.make_config(
+    paths, plan, max_steps=max_steps, micro_batch=micro_batch, grad_accum=grad_accum,
+    learning_rate=learning_rate, max_length=max_length, optimizer=optimizer, max_grad_norm=max_grad_norm,
+    logging_steps=logging_steps, save_steps=save_steps, gradient_checkpointing=gradient_checkpointing,
+    seed=seed, assistant_only="messages" in train_rows.column_names,
+)
+summary = freetune.train.train(model, tokenizer, train_rows, config, paths=paths)
+del model  # free the GPU for the evaluation below
+freetune.distributed.cleanup()
+
+# %%
+summary = freetune.train.show_summary(paths)
+
+# %% [markdown]
+# ## Evaluate
+# A falling loss proves little: this generates from held-out requests with the base model and with the
+# adapter, checks each action (valid JSON, schema, only entities the home has), and says plainly if the
+# adapter has collapsed into one answer for every request.
+
+# %%
+comparison = freetune.sanity.compare(model_id, paths.adapter, held_out, task="home_assistant", rows=sanity_rows,
+                                     max_new_tokens=max_new_tokens, reports_dir=paths.reports)
+comparison
+
+# %% [markdown]
+# ## Export
+# The adapter is saved in the run folder. To run the model at home, merge it, convert it to GGUF and serve it
+# with Ollama: see the export section of the README (`freetune.export`).
+
+# %%
+print(f"Adapter: {paths.adapter}")

@@ -1,0 +1,153 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Tiny 4 GB: fine-tune TinyLlama-1.1B-Chat on a 4 GB card
+#
+# **What it trains:** a LoRA adapter on TinyLlama/TinyLlama-1.1B-Chat-v1.0 in 4-bit, on instruction /
+# input / output rows (yahma/alpaca-cleaned by default) mapped to prompt / completion. **GPU:** anything with
+# 4 GB (a GTX 1650, an MX card, a T4 shared with something else): every memory-saving knob is on. Rank 8,
+# one row per step with 8 accumulation steps, paged 8-bit AdamW, gradient checkpointing and gradient clipping
+# at 0.3 keep the peak under 3.75 GiB; GPU memory is printed at every log step so you see the headroom.
+
+# %% tags=["parameters"]
+model_id: str = "TinyLlama/TinyLlama-1.1B-Chat-v1.0"  # hub id or local folder; 1.1B is what fits 4 GB with room
+dataset: str = "yahma/alpaca-cleaned"  # hub id or local file
+dataset_split: str = "train"  # which split of the hub data set to read
+columns: dict = {"prompt": ["instruction", "input"], "completion": "output"}  # Alpaca's columns -> prompt/completion
+system_prompt: str = "You are a helpful assistant."  # shown to the model in every row
+eval_rows: int = 16  # rows held out (never trained on) for the base-vs-adapter check at the end
+max_steps: int = 200  # optimizer steps; each sees micro_batch x grad_accum rows
+micro_batch: int = 1  # one row per forward pass: the activation memory of a 4 GB card allows no more
+grad_accum: int = 8  # 8 rows per optimizer step without 8 rows of activations in memory
+learning_rate: float = 2e-4  # LoRA tolerates a higher rate than full fine-tuning; lower it if the loss spikes
+max_length: int = 512  # tokens per row; memory grows with it (the audit shows how many rows are cut)
+lora_rank: int = 8  # small adapter: fewer trainable weights, less optimizer memory
+lora_alpha: int = 16  # adapter scale; 2 x rank is the usual choice
+lora_dropout: float = 0.05  # regularises small data sets; 0 for large ones
+lora_targets: str = "all-linear"  # which layers get an adapter; all linear layers learns best per parameter
+optimizer: str = "paged_adamw_8bit"  # 8-bit state, paged to CPU memory under pressure instead of crashing
+max_grad_norm: float = 0.3  # tight clipping: batch-1 gradients are noisy
+gradient_checkpointing: bool = True  # recompute activations in backward: ~30% slower, far less memory
+precision: str = "auto"  # "auto" picks from the GPU; "fp16" forces the T4/Turing policy, "bf16" Ampere's
+gpu_memory_cap_gib: float = 0.0  # emulate a smaller card on a bigger one (e.g. 4.0); 0 = no cap
+save_steps: int = 50  # checkpoint every N steps, so a crash resumes instead of restarting
+logging_steps: int = 1  # print progress and GPU memory at every step: the point of this recipe
+output_dir: str = ""  # empty: the platform's default (Kaggle /kaggle/working, Colab /content or Drive)
+run_name: str = "tiny-4gb"  # folder name of this run; reuse it to resume, change it to start fresh
+use_drive: bool = False  # Colab: keep checkpoints on Google Drive so they outlive the session
+auto_clean: bool = True  # drop the rows the audit flags (empty, junk repeats) before training
+accept_data_problems: bool = False  # True: train even if blocking data problems remain (you have looked)
+ddp_processes: int = 0  # torchrun processes to start, 0 = one per visible GPU
+sanity_rows: int = 6  # prompts generated from, base vs adapter, in the evaluation
+max_new_tokens: int = 128  # generation length in the evaluation
+seed: int = 0  # data order, held-out rows and LoRA initialisation
+
+# %% tags=["install"]
+# Replaced in each notebook by build_notebooks.py with that platform's pinned install.
+# Locally: pip install -e ".[train,tasks]"
+
+# %% [markdown]
+# ## Preflight
+# Reads the machine before anything is loaded: GPU, compute capability, memory, disk. It refuses a GPU the
+# installed PyTorch cannot run (Kaggle's P100) and picks the precision: fp16 on a T4 (no fast bf16 there),
+# bf16 on Ampere and newer, fp32 on a CPU, each with its reason.
+
+# %%
+import freetune
+
+params = freetune.params.check(globals())
+plan = freetune.preflight.make_plan(
+    max_length=max_length, micro_batch=micro_batch, grad_accum=grad_accum, lora_rank=lora_rank,
+    gradient_checkpointing=gradient_checkpointing, optimizer=optimizer, precision=precision,
+)
+plan
+
+# %% tags=["paths"]
+paths = freetune.platform.resolve_paths(target=None, output_dir=output_dir, run_name=run_name, use_drive=use_drive)
+print(f"run folder: {paths.run_dir}")
+
+# %% [markdown]
+# ## Data audit
+# Before any GPU time: load the rows, check them, clean them: empty answers, one answer repeated in many rows
+# (a pipeline's error string, say), duplicates, and rows `max_length` would cut.
+
+# %%
+tokenizer = freetune.model.load_tokenizer(model_id)
+rows = freetune.data.normalize(freetune.data.load_rows(dataset, split=dataset_split), columns=columns)
+rows = freetune.data.as_chat(rows, system_prompt)  # an instruct model learns best in its own chat format
+train_rows, held_out = freetune.data.split_eval(rows, eval_rows, seed=seed)
+print(freetune.model.check_chat_template(tokenizer, train_rows))
+train_rows, audit_report, cleaning = freetune.audit.audit_and_clean(
+    train_rows, tokenizer=tokenizer, max_length=max_length, checks=None,
+    eval_dataset=held_out, auto_clean=auto_clean, accept_problems=accept_data_problems,
+)
+freetune.data.save_prepared(paths.data, train_rows, held_out)
+
+# %% [markdown]
+# Why a few identical rows matter: the loss is computed only on the answers, so a short answer repeated in
+# many rows is the cheapest thing for the model to learn. Its loss goes to zero first, and the model learns that
+# this answer is always likely, for any prompt.
+
+# %% [markdown]
+# ## Model
+# The base model is loaded in 4-bit NF4 (about 0.5 byte per weight), frozen, and a small LoRA adapter is
+# trained on top. Its non-quantised weights load in the plan's dtype, not the checkpoint's: a T4 must not
+# get bfloat16 weights. On several GPUs each process loads a full copy on its own GPU (DDP): splitting the
+# layers across GPUs (`device_map="auto"`) would run them one after another, no faster than one GPU.
+
+# %% tags=["train"]
+dist = freetune.distributed.init()
+train_rows, held_out = freetune.data.load_prepared(paths.data)
+tokenizer = freetune.model.load_tokenizer(model_id)
+model = freetune.model.load_base_model(model_id, plan, local_rank=dist.local_rank,
+                                       gradient_checkpointing=gradient_checkpointing)
+model, trainable, total = freetune.model.attach_lora(model, rank=lora_rank, alpha=lora_alpha,
+                                                     dropout=lora_dropout, target_modules=lora_targets)
+freetune.distributed.print_layout(dist, micro_batch, grad_accum, trainable, total)
+
+# %% [markdown]
+# ## Train
+# One line per log step: loss, learning rate, tokens/s, memory in use / peak, and the time left.
+# Checkpoints land in the run folder every `save_steps`; running this again resumes from the newest one.
+
+# %% tags=["train"]
+config = freetune.train.make_config(
+    paths, plan, max_steps=max_steps, micro_batch=micro_batch, grad_accum=grad_accum,
+    learning_rate=learning_rate, max_length=max_length, optimizer=optimizer, max_grad_norm=max_grad_norm,
+    logging_steps=logging_steps, save_steps=save_steps, gradient_checkpointing=gradient_checkpointing,
+    seed=seed, assistant_only="messages" in train_rows.column_names,
+)
+summary = freetune.train.train(model, tokenizer, train_rows, config, paths=paths)
+del model  # free the GPU for the evaluation below
+freetune.distributed.cleanup()
+
+# %%
+summary = freetune.train.show_summary(paths)
+
+# %% [markdown]
+# ## Evaluate
+# A falling loss proves little: this generates from held-out prompts with the base model and with the
+# adapter, and says plainly if the adapter has collapsed into one answer for every prompt.
+
+# %%
+comparison = freetune.sanity.compare(model_id, paths.adapter, held_out, task=None, rows=sanity_rows,
+                                     max_new_tokens=max_new_tokens, reports_dir=paths.reports)
+comparison
+
+# %% [markdown]
+# ## Export
+# The adapter is saved in the run folder. To run the model at home, merge it, convert it to GGUF and serve it
+# with Ollama: see the export section of the README (`freetune.export`).
+
+# %%
+print(f"Adapter: {paths.adapter}")
