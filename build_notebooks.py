@@ -70,6 +70,12 @@ print("freetune", freetune.__version__)'''
 def parameter_names(source: str) -> list[str]:
     """Names declared in the parameters cell, in order (`name: type = value  # help`)."""
     names = []
+    for line in source.splitlines():
+        # papermill skips any parameter line with two '=' signs (e.g. "0 = auto" in the help comment), and
+        # then `papermill --help-notebook` cannot show it and warns on injection.
+        if not line.lstrip().startswith("#") and line.count("=") > 1:
+            raise SystemExit(f"parameters cell: {line.strip()!r} has more than one '=': papermill cannot parse "
+                             f"it; write the help comment without '='")
     for node in ast.parse(source).body:
         if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None):
             raise SystemExit(f"parameters cell: every line must be `name: type = literal  # help`, "

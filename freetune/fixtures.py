@@ -79,10 +79,13 @@ TINY_ARCHITECTURES = {
 
 
 def build_tiny_model(out_dir: str | Path, architecture: str = "qwen2", hidden_size: int = 64,
-                     num_layers: int = 2, seed: int = 0, tokenizer_dir: str | Path | None = None) -> Path:
+                     num_layers: int = 2, seed: int = 0, tokenizer_dir: str | Path | None = None,
+                     **config_overrides) -> Path:
     """Save a tiny randomly initialised causal LM plus Qwen's tokenizer to out_dir; returns the folder.
 
     tokenizer_dir: reuse an already built tokenizer (building one takes ~30 s of BPE merge extraction).
+    config_overrides: any config value (intermediate_size, num_attention_heads, ...), e.g. to build a real
+    model's shape from its public config for GPU benchmarks.
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -98,8 +101,7 @@ def build_tiny_model(out_dir: str | Path, architecture: str = "qwen2", hidden_si
 
     arch = dict(TINY_ARCHITECTURES[architecture])
     model_type = arch.pop("model_type")
-    config = AutoConfig.for_model(
-        model_type,
+    values = dict(
         vocab_size=QWEN_PADDED_VOCAB,
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 2,
@@ -113,6 +115,8 @@ def build_tiny_model(out_dir: str | Path, architecture: str = "qwen2", hidden_si
         torch_dtype="bfloat16",  # as the real Qwen checkpoints say: the T4 path must cope with it
         **arch,
     )
+    values.update(config_overrides)
+    config = AutoConfig.for_model(model_type, **values)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
     model.generation_config.eos_token_id = [tokenizer.eos_token_id, tokenizer.pad_token_id]

@@ -35,7 +35,8 @@ def load_job(path: str | Path) -> SimpleNamespace:
 
     job = json.loads(Path(path).read_text())
     plan_fields = {f.name for f in dataclasses.fields(Plan) if f.init}
-    plan = Plan(**{k: v for k, v in job["plan"].items() if k in plan_fields})
+    # The memory estimate is for display in the notebook; the ranks need only the decisions.
+    plan = Plan(**{k: v for k, v in job["plan"].items() if k in plan_fields and k != "memory"})
     return SimpleNamespace(parameters=job["parameters"], paths=Paths(**job["paths"]), plan=plan)
 
 

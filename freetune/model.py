@@ -67,14 +67,29 @@ def check_chat_template(tokenizer, dataset) -> str:
     return "completion only (chat prompt/completion)"
 
 
+def cap_gpu_memory(cap_gib: float, device: int = 0) -> None:
+    """Let this process use at most cap_gib of the GPU: emulates a smaller card (a 4 GB laptop GPU, a T4's
+    ~14.5 usable GiB) on a bigger one. Allocations past the cap fail with the same out-of-memory error."""
+    import torch
+
+    total = torch.cuda.get_device_properties(device).total_memory / 2**30
+    if cap_gib >= total:
+        raise FreetuneError(f"gpu_memory_cap_gib={cap_gib} is not below this GPU's {total:.1f} GiB; use 0 for no cap.")
+    torch.cuda.set_per_process_memory_fraction(cap_gib / total, device)
+    print(f"GPU memory capped at {cap_gib:.2f} of {total:.1f} GiB (emulating a smaller card)", flush=True)
+
+
 def load_base_model(model_id: str, plan: Plan, *, local_rank: int = 0, gradient_checkpointing: bool = True,
-                    quantize: bool = True):
+                    quantize: bool = True, memory_cap_gib: float = 0.0):
     """The base model in 4-bit NF4 (double quantisation), prepared for k-bit training on this rank's device."""
     import torch
     from peft import prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     _check_model_source(model_id)
+    if memory_cap_gib and plan.device == "cuda":
+        cap_gpu_memory(memory_cap_gib, local_rank)
+    # The non-quantised weights load in the compute dtype (fp16 on a T4 whatever the config says).
     kwargs = dict(dtype=plan.torch_dtype, attn_implementation=plan.attn_implementation)
     if quantize:
         kwargs["quantization_config"] = BitsAndBytesConfig(
@@ -114,3 +129,30 @@ def attach_lora(model, *, rank: int, alpha: int, dropout: float, target_modules:
                             f"'all-linear' or to module names this model has (e.g. ['q_proj', 'v_proj']).") from exc
     trainable, total = peft_model.get_nb_trainable_parameters()
     return peft_model, trainable, total
+
+
+def adapter_dtype_guard(dtype: str = "float32"):
+    """A TrainerCallback that puts the trainable (LoRA) weights back in `dtype` once the trainer is built.
+
+    TRL's SFTTrainer casts the trainable weights of a quantised model to bfloat16 in its constructor (following
+    the QLoRA paper). On a T4 that is exactly the failure freetune exists to prevent: fp16 AMP's gradient
+    unscaling then meets bf16 gradients and stops with `_amp_foreach_non_finite_check_and_unscale_cuda not
+    implemented for 'BFloat16'` (reproduced on an H200 forced onto the fp16 path). fp32 LoRA weights also keep
+    small updates that bf16 would round away. on_init_end runs after that cast and before the optimizer exists.
+    """
+    from transformers import TrainerCallback
+
+    class _AdapterDtypeGuard(TrainerCallback):
+        def on_init_end(self, args, state, control, model=None, **kwargs):
+            import torch
+
+            target = getattr(torch, dtype)
+            recast = 0
+            for param in model.parameters():
+                if param.requires_grad and param.dtype != target:
+                    param.data = param.data.to(target)
+                    recast += 1
+            if recast and state.is_world_process_zero:
+                print(f"LoRA weights kept in {dtype} ({recast} tensors the trainer had cast to 16-bit).", flush=True)
+
+    return _AdapterDtypeGuard()

@@ -29,8 +29,8 @@ columns: dict = {}  # map your columns to freetune's, e.g. {"prompt": "descripti
 system_prompt: str = "You are an SVG artist. Answer with one complete SVG document and nothing else."  # shown to the model in every row
 eval_rows: int = 16  # rows held out (never trained on) for the base-vs-adapter check at the end
 max_steps: int = 300  # optimizer steps; each sees micro_batch x grad_accum x GPUs rows (~40 min on a T4)
-micro_batch: int = 2  # rows per GPU per forward pass; higher is faster until memory runs out
-grad_accum: int = 8  # micro-batches summed per optimizer step; raises the batch without raising memory
+micro_batch: int = 0  # rows per GPU per forward pass; 0 means the largest that fits (preflight picks; far faster than 1)
+grad_accum: int = 8  # rows per GPU per optimizer step when micro_batch is 0; else micro-batches per step
 learning_rate: float = 2e-4  # LoRA tolerates a higher rate than full fine-tuning; lower it if the loss spikes
 max_length: int = 1024  # tokens per row; longer rows are cut (the audit shows how many), memory grows with it
 lora_rank: int = 16  # adapter capacity: higher learns more, costs memory and time
@@ -48,9 +48,11 @@ run_name: str = "svg-coder"  # folder name of this run; reuse it to resume, chan
 use_drive: bool = False  # Colab: keep checkpoints on Google Drive so they outlive the session
 auto_clean: bool = True  # drop the rows the audit flags (empty, junk repeats, invalid SVG) before training
 accept_data_problems: bool = False  # True: train even if blocking data problems remain (you have looked)
-ddp_processes: int = 0  # Kaggle/torchrun: processes to start, 0 = one per visible GPU
+ddp_processes: int = 0  # Kaggle/torchrun: processes to start, 0 means one per visible GPU
 sanity_rows: int = 6  # prompts generated from, base vs adapter, in the evaluation
 max_new_tokens: int = 512  # generation length in the evaluation; SVGs need a few hundred tokens
+export_gguf: bool = False  # merge the adapter into a 16-bit copy and convert it to GGUF for llama.cpp / Ollama
+hub_repo: str = ""  # push the adapter (and GGUF) to this private Hub repo, e.g. "you/svg-coder"; needs HF_TOKEN
 seed: int = 0  # data order, held-out rows and LoRA initialisation
 
 # %% tags=["install"]
@@ -64,13 +66,17 @@ seed: int = 0  # data order, held-out rows and LoRA initialisation
 # bf16 on Ampere and newer, fp32 on a CPU, each with its reason.
 
 # %%
+from pathlib import Path
+
 import freetune
 
 params = freetune.params.check(globals())
 plan = freetune.preflight.make_plan(
-    max_length=max_length, micro_batch=micro_batch, grad_accum=grad_accum, lora_rank=lora_rank,
-    gradient_checkpointing=gradient_checkpointing, optimizer=optimizer, precision=precision,
+    model_shape=model_id, max_length=max_length, micro_batch=micro_batch or None, grad_accum=grad_accum,
+    lora_rank=lora_rank, gradient_checkpointing=gradient_checkpointing, optimizer=optimizer, precision=precision,
 )
+if hub_repo:  # a missing token must stop us now, not after an hour of training
+    freetune.secrets.hf_token(required=True, purpose=f"push to {hub_repo}")
 plan
 
 # %% tags=["paths"]
@@ -91,7 +97,7 @@ rows = freetune.data.as_chat(rows, system_prompt)  # an instruct model learns be
 train_rows, held_out = freetune.data.split_eval(rows, eval_rows, seed=seed)
 print(freetune.model.check_chat_template(tokenizer, train_rows))
 train_rows, audit_report, cleaning = freetune.audit.audit_and_clean(
-    train_rows, tokenizer=tokenizer, max_length=max_length, checks=freetune.tasks.svg.AUDIT_CHECKS,
+    train_rows, tokenizer=tokenizer, max_length=plan.max_length, checks=freetune.tasks.svg.AUDIT_CHECKS,
     eval_dataset=held_out, auto_clean=auto_clean, accept_problems=accept_data_problems,
 )
 freetune.data.save_prepared(paths.data, train_rows, held_out)
@@ -116,7 +122,7 @@ model = freetune.model.load_base_model(model_id, plan, local_rank=dist.local_ran
                                        gradient_checkpointing=gradient_checkpointing)
 model, trainable, total = freetune.model.attach_lora(model, rank=lora_rank, alpha=lora_alpha,
                                                      dropout=lora_dropout, target_modules=lora_targets)
-freetune.distributed.print_layout(dist, micro_batch, grad_accum, trainable, total)
+freetune.distributed.print_layout(dist, plan.micro_batch, plan.grad_accum, trainable, total)
 
 # %% [markdown]
 # ## Train
@@ -125,8 +131,8 @@ freetune.distributed.print_layout(dist, micro_batch, grad_accum, trainable, tota
 
 # %% tags=["train"]
 config = freetune.train.make_config(
-    paths, plan, max_steps=max_steps, micro_batch=micro_batch, grad_accum=grad_accum,
-    learning_rate=learning_rate, max_length=max_length, optimizer=optimizer, max_grad_norm=max_grad_norm,
+    paths, plan, max_steps=max_steps, micro_batch=plan.micro_batch, grad_accum=plan.grad_accum,
+    learning_rate=learning_rate, max_length=plan.max_length, optimizer=optimizer, max_grad_norm=max_grad_norm,
     logging_steps=logging_steps, save_steps=save_steps, gradient_checkpointing=gradient_checkpointing,
     seed=seed, assistant_only="messages" in train_rows.column_names,
 )
@@ -144,14 +150,32 @@ summary = freetune.train.show_summary(paths)
 # into one answer for every prompt.
 
 # %%
-comparison = freetune.sanity.compare(model_id, paths.adapter, held_out, task="svg", rows=sanity_rows,
-                                     max_new_tokens=max_new_tokens, reports_dir=paths.reports)
+comparison = freetune.sanity.compare(model_id, paths.adapter, freetune.sanity.pick_rows(held_out, sanity_rows),
+                                     task="svg", max_new_tokens=max_new_tokens)
 comparison
 
 # %% [markdown]
 # ## Export
-# The adapter is saved in the run folder. To run the model at home, merge it, convert it to GGUF and serve it
-# with Ollama: see the export section of the README (`freetune.export`).
+# The adapter (a few MB to a few hundred) is always saved in the run folder. To run the model at home:
+# `export_gguf=True` merges it into a 16-bit copy of the base model (on the GPU if it fits, else on the CPU;
+# RAM and disk are checked first), converts that with llama.cpp's own converter (f16 and q8_0; q4_k_m when
+# llama.cpp's `llama-quantize` is built) and writes an Ollama Modelfile. The converter comes from PyPI's
+# llama-cpp-python source package, or `git clone --depth 1 https://github.com/ggml-org/llama.cpp`.
+# `hub_repo` pushes the adapter, with a model card recording base model, data, recipe, parameters, audit and
+# evaluation, to a private Hub repo (token from Colab/Kaggle secrets or HF_TOKEN, never printed).
 
 # %%
+freetune.export.check_adapter(paths.adapter)
 print(f"Adapter: {paths.adapter}")
+if export_gguf:
+    merged = freetune.export.merge(model_id, paths.adapter, f"{paths.run_dir}/merged")
+    ggufs = freetune.export.convert_to_gguf(merged, f"{paths.run_dir}/gguf", converter=freetune.export.fetch_converter())
+    modelfile = freetune.export.write_modelfile(ggufs[-1], tokenizer, system_prompt=system_prompt or None)
+    print(freetune.export.ollama_commands(modelfile, run_name))
+if hub_repo:
+    card = freetune.export.model_card(
+        base_model=model_id, dataset=dataset, recipe="recipes/svg_coder.py", parameters=params,
+        audit_summary=audit_report.to_dict(), eval_table=comparison.to_dict(), repo_id=hub_repo)
+    (Path(paths.adapter) / "README.md").write_text(card)
+    freetune.export.push_to_hub(paths.adapter, hub_repo,
+                                token=freetune.secrets.hf_token(required=True, purpose=f"push to {hub_repo}"))

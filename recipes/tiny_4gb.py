@@ -39,7 +39,7 @@ optimizer: str = "paged_adamw_8bit"  # 8-bit state, paged to CPU memory under pr
 max_grad_norm: float = 0.3  # tight clipping: batch-1 gradients are noisy
 gradient_checkpointing: bool = True  # recompute activations in backward: ~30% slower, far less memory
 precision: str = "auto"  # "auto" picks from the GPU; "fp16" forces the T4/Turing policy, "bf16" Ampere's
-gpu_memory_cap_gib: float = 0.0  # emulate a smaller card on a bigger one (e.g. 4.0); 0 = no cap
+gpu_memory_cap_gib: float = 0.0  # emulate a smaller card on a bigger one (e.g. 4.0); 0 means no cap
 save_steps: int = 50  # checkpoint every N steps, so a crash resumes instead of restarting
 logging_steps: int = 1  # print progress and GPU memory at every step: the point of this recipe
 output_dir: str = ""  # empty: the platform's default (Kaggle /kaggle/working, Colab /content or Drive)
@@ -47,9 +47,11 @@ run_name: str = "tiny-4gb"  # folder name of this run; reuse it to resume, chang
 use_drive: bool = False  # Colab: keep checkpoints on Google Drive so they outlive the session
 auto_clean: bool = True  # drop the rows the audit flags (empty, junk repeats) before training
 accept_data_problems: bool = False  # True: train even if blocking data problems remain (you have looked)
-ddp_processes: int = 0  # torchrun processes to start, 0 = one per visible GPU
+ddp_processes: int = 0  # torchrun processes to start, 0 means one per visible GPU
 sanity_rows: int = 6  # prompts generated from, base vs adapter, in the evaluation
 max_new_tokens: int = 128  # generation length in the evaluation
+export_gguf: bool = False  # merge the adapter into a 16-bit copy and convert it to GGUF for llama.cpp / Ollama
+hub_repo: str = ""  # push the adapter (and GGUF) to this private Hub repo, e.g. "you/svg-coder"; needs HF_TOKEN
 seed: int = 0  # data order, held-out rows and LoRA initialisation
 
 # %% tags=["install"]
@@ -63,13 +65,18 @@ seed: int = 0  # data order, held-out rows and LoRA initialisation
 # bf16 on Ampere and newer, fp32 on a CPU, each with its reason.
 
 # %%
+from pathlib import Path
+
 import freetune
 
 params = freetune.params.check(globals())
 plan = freetune.preflight.make_plan(
-    max_length=max_length, micro_batch=micro_batch, grad_accum=grad_accum, lora_rank=lora_rank,
-    gradient_checkpointing=gradient_checkpointing, optimizer=optimizer, precision=precision,
+    model_shape=model_id, max_length=max_length, micro_batch=micro_batch or None, grad_accum=grad_accum,
+    lora_rank=lora_rank, gradient_checkpointing=gradient_checkpointing, optimizer=optimizer, precision=precision,
+    memory_budget_gib=gpu_memory_cap_gib or None,
 )
+if hub_repo:  # a missing token must stop us now, not after an hour of training
+    freetune.secrets.hf_token(required=True, purpose=f"push to {hub_repo}")
 plan
 
 # %% tags=["paths"]
@@ -88,7 +95,7 @@ rows = freetune.data.as_chat(rows, system_prompt)  # an instruct model learns be
 train_rows, held_out = freetune.data.split_eval(rows, eval_rows, seed=seed)
 print(freetune.model.check_chat_template(tokenizer, train_rows))
 train_rows, audit_report, cleaning = freetune.audit.audit_and_clean(
-    train_rows, tokenizer=tokenizer, max_length=max_length, checks=None,
+    train_rows, tokenizer=tokenizer, max_length=plan.max_length, checks=None,
     eval_dataset=held_out, auto_clean=auto_clean, accept_problems=accept_data_problems,
 )
 freetune.data.save_prepared(paths.data, train_rows, held_out)
@@ -110,10 +117,11 @@ dist = freetune.distributed.init()
 train_rows, held_out = freetune.data.load_prepared(paths.data)
 tokenizer = freetune.model.load_tokenizer(model_id)
 model = freetune.model.load_base_model(model_id, plan, local_rank=dist.local_rank,
-                                       gradient_checkpointing=gradient_checkpointing)
+                                       gradient_checkpointing=gradient_checkpointing,
+                                       memory_cap_gib=gpu_memory_cap_gib)
 model, trainable, total = freetune.model.attach_lora(model, rank=lora_rank, alpha=lora_alpha,
                                                      dropout=lora_dropout, target_modules=lora_targets)
-freetune.distributed.print_layout(dist, micro_batch, grad_accum, trainable, total)
+freetune.distributed.print_layout(dist, plan.micro_batch, plan.grad_accum, trainable, total)
 
 # %% [markdown]
 # ## Train
@@ -122,8 +130,8 @@ freetune.distributed.print_layout(dist, micro_batch, grad_accum, trainable, tota
 
 # %% tags=["train"]
 config = freetune.train.make_config(
-    paths, plan, max_steps=max_steps, micro_batch=micro_batch, grad_accum=grad_accum,
-    learning_rate=learning_rate, max_length=max_length, optimizer=optimizer, max_grad_norm=max_grad_norm,
+    paths, plan, max_steps=max_steps, micro_batch=plan.micro_batch, grad_accum=plan.grad_accum,
+    learning_rate=learning_rate, max_length=plan.max_length, optimizer=optimizer, max_grad_norm=max_grad_norm,
     logging_steps=logging_steps, save_steps=save_steps, gradient_checkpointing=gradient_checkpointing,
     seed=seed, assistant_only="messages" in train_rows.column_names,
 )
@@ -140,14 +148,32 @@ summary = freetune.train.show_summary(paths)
 # adapter, and says plainly if the adapter has collapsed into one answer for every prompt.
 
 # %%
-comparison = freetune.sanity.compare(model_id, paths.adapter, held_out, task=None, rows=sanity_rows,
-                                     max_new_tokens=max_new_tokens, reports_dir=paths.reports)
+comparison = freetune.sanity.compare(model_id, paths.adapter, freetune.sanity.pick_rows(held_out, sanity_rows),
+                                     task=None, max_new_tokens=max_new_tokens)
 comparison
 
 # %% [markdown]
 # ## Export
-# The adapter is saved in the run folder. To run the model at home, merge it, convert it to GGUF and serve it
-# with Ollama: see the export section of the README (`freetune.export`).
+# The adapter (a few MB to a few hundred) is always saved in the run folder. To run the model at home:
+# `export_gguf=True` merges it into a 16-bit copy of the base model (on the GPU if it fits, else on the CPU;
+# RAM and disk are checked first), converts that with llama.cpp's own converter (f16 and q8_0; q4_k_m when
+# llama.cpp's `llama-quantize` is built) and writes an Ollama Modelfile. The converter comes from PyPI's
+# llama-cpp-python source package, or `git clone --depth 1 https://github.com/ggml-org/llama.cpp`.
+# `hub_repo` pushes the adapter, with a model card recording base model, data, recipe, parameters, audit and
+# evaluation, to a private Hub repo (token from Colab/Kaggle secrets or HF_TOKEN, never printed).
 
 # %%
+freetune.export.check_adapter(paths.adapter)
 print(f"Adapter: {paths.adapter}")
+if export_gguf:
+    merged = freetune.export.merge(model_id, paths.adapter, f"{paths.run_dir}/merged")
+    ggufs = freetune.export.convert_to_gguf(merged, f"{paths.run_dir}/gguf", converter=freetune.export.fetch_converter())
+    modelfile = freetune.export.write_modelfile(ggufs[-1], tokenizer, system_prompt=system_prompt or None)
+    print(freetune.export.ollama_commands(modelfile, run_name))
+if hub_repo:
+    card = freetune.export.model_card(
+        base_model=model_id, dataset=dataset, recipe="recipes/tiny_4gb.py", parameters=params,
+        audit_summary=audit_report.to_dict(), eval_table=comparison.to_dict(), repo_id=hub_repo)
+    (Path(paths.adapter) / "README.md").write_text(card)
+    freetune.export.push_to_hub(paths.adapter, hub_repo,
+                                token=freetune.secrets.hf_token(required=True, purpose=f"push to {hub_repo}"))

@@ -92,6 +92,25 @@ def test_parameters_cell_must_hold_literals(tmp_path):
         build_notebooks.parameter_names("import os\n")
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_papermill_reads_every_parameter_with_type_default_and_help(recipe, caplog):
+    import papermill
+
+    path = REPO / "notebooks" / "kaggle" / f"{recipe}.ipynb"  # what `papermill --help-notebook` reads
+    nb = build_notebooks.render(REPO / "recipes" / f"{recipe}.py", "kaggle")
+    source = next(c.source for c in nb.cells if "parameters" in c.metadata.get("tags", []))
+    inferred = papermill.inspect_notebook(str(path))
+    assert list(inferred) == build_notebooks.parameter_names(source)
+    assert "Unable to parse" not in caplog.text
+    for parameter in inferred.values():
+        assert parameter["inferred_type_name"] != "None" and parameter["default"] and parameter["help"]
+
+
+def test_a_help_comment_with_an_equals_sign_is_refused():
+    with pytest.raises(SystemExit, match="more than one '='"):
+        build_notebooks.parameter_names("steps: int = 0  # 0 = auto\n")
+
+
 def test_generated_json_is_stable_text():
     path = REPO / "notebooks" / "colab" / "svg_coder.ipynb"
     data = json.loads(path.read_text())

@@ -1,0 +1,349 @@
+"""How much GPU memory a QLoRA run needs, before anything is loaded, and the largest batch that fits a card.
+
+The estimate follows freetune's own training path (freetune.model + TRL's SFTTrainer):
+- the base model's linear layers in 4-bit NF4 with double quantisation (bitsandbytes);
+- everything else the base model has (embeddings, an untied lm_head, norms, biases) upcast to fp32 by
+  peft's prepare_model_for_kbit_training: on a 150k vocabulary that is more memory than the 4-bit layers;
+- LoRA weights in fp32, their fp32 gradients and the optimizer's state;
+- activations: what autograd keeps per token for the backward, with or without gradient checkpointing;
+- the loss head: TRL's SFTTrainer (>= 1.x) scores tokens in tiles (`add_fused_lm_head`) and never holds the
+  (batch, seq, vocab) logits; a plain transformers loss does, in 16 and 32 bits (`loss_head="full"`);
+- what torch's allocator cannot see: the CUDA context, and reserved-but-unused blocks.
+
+The per-token activation coefficients below were counted, not guessed: autograd's saved tensors
+(torch.autograd.graph.saved_tensors_hooks) for one decoder layer of the real stack (transformers 5.17, peft
+0.21, bitsandbytes 0.50 whose fused 4-bit matmul saves no input copy, LoRA dropout 0.05), on a CPU under bf16
+autocast and in fp32, on Qwen2, Qwen3 and Llama layers of several widths (CUDA's attention kernels save the same
+q, k, v, output and logsumexp). What that cannot count (the gradient buffers alive during one layer's backward,
+allocator rounding) is an assumption, marked as such.
+
+Checked against the measurements of issue 8 (one H200, Qwen2.5-1.5B shape, NF4, LoRA r16 on all linear layers,
+paged 8-bit AdamW, rows of 300-1,200 tokens cut at TRL's default max_length of 1,024): peak allocated 2.1 GiB
+at batch 1 with checkpointing, 5.5 GiB at batch 8 with checkpointing, 44 GiB at batch 8 without. This
+model gives 2.3, 6.0 and 53 GiB (tests/test_memory.py holds it within 30%). Those figures also show the loss
+head was tiled: materialised logits (16-bit, their fp32 upcast and log-softmax) at batch 8 x 1,024 alone would
+take 11.6 GiB.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+GIB = 2**30
+
+# NF4 stores two weights per byte. Double quantisation keeps one 8-bit absmax per block of 64 weights, plus one
+# fp32 absmax per 256 of those blocks; single quantisation keeps one fp32 absmax per 64 weights.
+NF4_BYTES_PER_PARAM = {True: 0.5 + 1 / 64 + 4 / (64 * 256), False: 0.5 + 4 / 64}
+
+# Optimizer state bytes per trainable parameter. 8-bit AdamW (bitsandbytes) keeps two 1-byte moments; the
+# paged variant may move them to CPU memory under pressure, so counting them on the GPU is the safe side.
+OPTIMIZER_STATE_BYTES = {
+    "paged_adamw_8bit": 2, "adamw_8bit": 2, "adamw_bnb_8bit": 2, "paged_lion_8bit": 1, "lion_8bit": 1,
+    "paged_adamw_32bit": 8, "adamw_torch": 8, "adamw_torch_fused": 8, "adamw": 8, "adamw_hf": 8,
+    "adafactor": 4, "sgd": 0,
+}
+
+# Saved-for-backward bytes per token per decoder layer, per unit of each dimension (see the module docstring
+# for how they were counted). "16" is fp16/bf16 compute under autocast, "32" fp32 compute (a CPU run).
+# hidden: the fp32 residual stream, norm inputs/outputs, the 16-bit inputs of the projections and LoRA
+# dropout copies; intermediate: the MLP's gate/up/activation outputs; q/kv: attention inputs and output;
+# lora_rank: each adapted projection keeps its LoRA-A output; heads: the attention kernel's fp32 logsumexp;
+# qk_norm: Qwen3's per-head norms of q and k.
+ACTIVATION_BYTES = {
+    "16": dict(hidden=44, intermediate=18, q=4, kv=4, lora_rank=2, heads=4, qk_norm=6.3),
+    "32": dict(hidden=56, intermediate=20, q=8, kv=8, lora_rank=4, heads=4, qk_norm=7.0),
+}
+# Assumption (not countable on a CPU): while one layer runs its backward, the gradients of its residual input
+# and output (fp32) and of its MLP intermediate are alive besides the saved tensors.
+BACKWARD_BYTES = dict(hidden=8, intermediate=8)
+# TRL's tiled loss head (trl.trainer.utils.add_fused_lm_head): tiles of up to 4,096 tokens x 32,768 vocabulary
+# entries in the compute dtype, a compute-dtype copy of that slice of the head's weight, and the fp32 hidden
+# states plus their fp32 gradient.
+TILE_TOKENS, TILE_VOCAB = 4096, 32768
+# Outside torch's allocator (not in torch.cuda.max_memory_allocated): the CUDA context with cuBLAS/cuDNN
+# handles, about 0.3-0.5 GiB depending on the card and CUDA version; and the caching allocator's reserved but
+# unused blocks, about a tenth of what it hands out under a varying sequence length.
+CUDA_CONTEXT_GIB = 0.45
+ALLOCATOR_SLACK = 1.10
+
+LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The dimensions that decide memory: a decoder-only transformer with gated MLP and grouped-query attention."""
+
+    name: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    tied_embeddings: bool
+    head_dim: int | None = None      # None: hidden // heads (Qwen3 sets 128 explicitly)
+    qk_norm: bool = False            # Qwen3 normalises q and k per head
+    attention_bias: bool = False     # Qwen2 has q/k/v biases
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * (self.head_dim or self.hidden // self.heads)
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * (self.head_dim or self.hidden // self.heads)
+
+    def linear_dims(self) -> dict[str, tuple[int, int]]:
+        """(in_features, out_features) of each linear layer in one decoder layer."""
+        h, i = self.hidden, self.intermediate
+        return {"q_proj": (h, self.q_dim), "k_proj": (h, self.kv_dim), "v_proj": (h, self.kv_dim),
+                "o_proj": (self.q_dim, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    @property
+    def quantized_params(self) -> int:
+        """Weights of the decoder layers' linear layers: what bitsandbytes stores in 4 bits."""
+        return self.layers * sum(a * b for a, b in self.linear_dims().values())
+
+    @property
+    def other_params(self) -> int:
+        """Weights left in floating point: embeddings, an untied lm_head, norms, attention biases."""
+        head_dim = self.head_dim or self.hidden // self.heads
+        per_layer = 2 * self.hidden + (2 * head_dim if self.qk_norm else 0)
+        if self.attention_bias:
+            per_layer += self.q_dim + 2 * self.kv_dim
+        embeddings = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+        return embeddings + self.layers * per_layer + self.hidden
+
+    @property
+    def total_params(self) -> int:
+        return self.quantized_params + self.other_params
+
+    def lora_modules(self, targets: str | list[str] = "all-linear") -> list[str]:
+        if targets == "all-linear":
+            return list(LINEAR_MODULES)
+        names = [targets] if isinstance(targets, str) else list(targets)
+        unknown = [n for n in names if n not in LINEAR_MODULES]
+        if unknown:
+            raise ValueError(f"unknown LoRA target(s) {unknown}; expected 'all-linear' or names among "
+                             f"{list(LINEAR_MODULES)}")
+        return names
+
+    def lora_params(self, rank: int, targets: str | list[str] = "all-linear") -> int:
+        """Trainable LoRA parameters: rank x (in + out) per adapted linear layer."""
+        dims = self.linear_dims()
+        return self.layers * sum(rank * sum(dims[m]) for m in self.lora_modules(targets))
+
+    @classmethod
+    def from_config(cls, config, name: str | None = None) -> "ModelShape":
+        """From a transformers config (or its dict), e.g. AutoConfig.from_pretrained(folder)."""
+        cfg = config if isinstance(config, dict) else config.to_dict()
+        cfg = cfg.get("text_config") or cfg  # multimodal configs nest the language model's
+        model_type = cfg.get("model_type", "")
+        return cls(
+            name=name or cfg.get("_name_or_path") or model_type or "model",
+            hidden=cfg["hidden_size"],
+            intermediate=cfg["intermediate_size"],
+            layers=cfg["num_hidden_layers"],
+            heads=cfg["num_attention_heads"],
+            kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+            vocab=cfg["vocab_size"],
+            tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            head_dim=cfg.get("head_dim"),
+            qk_norm=model_type.startswith("qwen3"),
+            attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+        )
+
+    @classmethod
+    def named(cls, name_or_path: str) -> "ModelShape":
+        """A known public shape by name or hub id ('Qwen/Qwen2.5-Coder-1.5B-Instruct'), or a local model folder."""
+        path = Path(name_or_path).expanduser()
+        if (path / "config.json").is_file():
+            return cls.from_config(json.loads((path / "config.json").read_text()), name=path.name)
+        key = _shape_key(name_or_path)
+        if key in KNOWN_SHAPES:
+            return KNOWN_SHAPES[key]
+        raise KeyError(f"no known shape for {name_or_path!r}; known: {sorted(KNOWN_SHAPES)} (or give a folder "
+                       f"with a config.json, or ModelShape.from_config(AutoConfig.from_pretrained(...)))")
+
+
+def _shape_key(name: str) -> str:
+    """'Qwen/Qwen2.5-Coder-1.5B-Instruct' -> 'qwen2.5-coder-1.5b': instruct/chat variants share the base shape."""
+    key = name.rsplit("/", 1)[-1].lower()
+    return re.sub(r"-(instruct|chat|it|base)(-v[\d.]+)?$", "", key)
+
+
+# Public config.json values of the hub models the recipes name (random-weight copies are built from these).
+KNOWN_SHAPES = {
+    "qwen2.5-1.5b": ModelShape("Qwen2.5-1.5B", hidden=1536, intermediate=8960, layers=28, heads=12, kv_heads=2,
+                               vocab=151936, tied_embeddings=True, attention_bias=True),
+    "qwen3-8b": ModelShape("Qwen3-8B", hidden=4096, intermediate=12288, layers=36, heads=32, kv_heads=8,
+                           vocab=151936, tied_embeddings=False, head_dim=128, qk_norm=True),
+    "tinyllama-1.1b": ModelShape("TinyLlama-1.1B", hidden=2048, intermediate=5632, layers=22, heads=32, kv_heads=4,
+                                 vocab=32000, tied_embeddings=False),
+}
+KNOWN_SHAPES["qwen2.5-coder-1.5b"] = replace(KNOWN_SHAPES["qwen2.5-1.5b"], name="Qwen2.5-Coder-1.5B")
+
+
+@dataclass
+class MemoryEstimate:
+    """Peak GPU memory of one training step, by part, in GiB. `peak_allocated_gib` is what
+    torch.cuda.max_memory_allocated() would report; `total_gib` adds what the card loses outside torch."""
+
+    weights_4bit_gib: float
+    other_weights_gib: float
+    lora_gib: float
+    optimizer_gib: float
+    activations_gib: float
+    loss_head_gib: float
+    peak_allocated_gib: float
+    overhead_gib: float
+    total_gib: float
+    trainable_params: int
+    settings: dict = field(default_factory=dict)
+    budget_gib: float | None = None
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.budget_gib is None else self.total_gib <= self.budget_gib
+
+    def to_dict(self) -> dict:
+        data = {k: round(v, 3) if isinstance(v, float) else v for k, v in asdict(self).items()}
+        return {**data, "fits": self.fits}
+
+    def breakdown(self) -> str:
+        """One line: where the memory goes."""
+        parts = [("4-bit weights", self.weights_4bit_gib), ("other weights", self.other_weights_gib),
+                 ("LoRA+grads", self.lora_gib), ("optimizer", self.optimizer_gib),
+                 ("activations", self.activations_gib), ("loss head", self.loss_head_gib),
+                 ("CUDA/allocator", self.overhead_gib)]
+        return ", ".join(f"{name} {gib:.2f}" for name, gib in parts) + f" = {self.total_gib:.2f} GiB"
+
+
+def _is_16bit(compute_dtype: str) -> bool:
+    if compute_dtype in ("float16", "bfloat16", "fp16", "bf16"):
+        return True
+    if compute_dtype in ("float32", "fp32"):
+        return False
+    raise ValueError(f"compute_dtype must be float16, bfloat16 or float32, not {compute_dtype!r}")
+
+
+def layer_activation_bytes(shape: ModelShape, *, lora_rank: int, lora_targets="all-linear",
+                           compute_dtype: str = "bfloat16") -> float:
+    """Bytes per token that autograd saves in one decoder layer for its backward."""
+    c = ACTIVATION_BYTES["16" if _is_16bit(compute_dtype) else "32"]
+    return (c["hidden"] * shape.hidden + c["intermediate"] * shape.intermediate + c["q"] * shape.q_dim
+            + c["kv"] * shape.kv_dim + c["lora_rank"] * lora_rank * len(shape.lora_modules(lora_targets))
+            + c["heads"] * shape.heads + (c["qk_norm"] * (shape.q_dim + shape.kv_dim) if shape.qk_norm else 0))
+
+
+def activation_bytes_per_token(shape: ModelShape, *, lora_rank: int, lora_targets="all-linear",
+                               gradient_checkpointing: bool, compute_dtype: str = "bfloat16") -> float:
+    """Bytes per token held at the peak of the backward pass (decoder layers only; the loss head is apart)."""
+    per_layer = layer_activation_bytes(shape, lora_rank=lora_rank, lora_targets=lora_targets,
+                                       compute_dtype=compute_dtype)
+    backward = BACKWARD_BYTES["hidden"] * shape.hidden + BACKWARD_BYTES["intermediate"] * shape.intermediate
+    # The embedding output and the final norm's input/output (fp32 after prepare_model_for_kbit_training).
+    outside_layers = 3 * 4 * shape.hidden
+    if gradient_checkpointing:
+        # Each layer keeps only its fp32 input; one layer at a time is recomputed in full during the backward.
+        return shape.layers * 4 * shape.hidden + per_layer + backward + outside_layers
+    return shape.layers * per_layer + backward + outside_layers
+
+
+def loss_head_bytes(shape: ModelShape, tokens: int, *, compute_dtype: str = "bfloat16",
+                    loss_head: str = "chunked") -> float:
+    """Peak bytes of the lm_head projection and the cross-entropy for `tokens` tokens."""
+    width = 2 if _is_16bit(compute_dtype) else 4
+    if loss_head == "chunked":
+        tile = min(tokens, TILE_TOKENS) * min(shape.vocab, TILE_VOCAB) * width
+        weight_slice = min(shape.vocab, TILE_VOCAB) * shape.hidden * width if width == 2 else 0
+        return tile + weight_slice + tokens * shape.hidden * 4 * 2
+    if loss_head == "full":
+        # transformers' ForCausalLMLoss: the logits in the compute dtype, their fp32 upcast, and log_softmax's
+        # fp32 output saved for the backward (in fp32 compute the upcast is the same tensor).
+        per_element = (width + 4 + 4) if width == 2 else 8
+        return tokens * shape.vocab * per_element
+    raise ValueError(f"loss_head must be 'chunked' or 'full', not {loss_head!r}")
+
+
+def estimate(shape: ModelShape, *, max_length: int, micro_batch: int, lora_rank: int = 16,
+             lora_targets: str | list[str] = "all-linear", gradient_checkpointing: bool = True,
+             optimizer: str = "paged_adamw_8bit", compute_dtype: str = "bfloat16", device: str = "cuda",
+             world_size: int = 1, double_quant: bool = True, loss_head: str = "chunked") -> MemoryEstimate:
+    """Peak memory of one training step at micro_batch rows of max_length tokens (every row padded to it: the
+    worst batch of a run decides whether it fits)."""
+    tokens = micro_batch * max_length
+    weights_4bit = shape.quantized_params * NF4_BYTES_PER_PARAM[double_quant]
+    # prepare_model_for_kbit_training casts every non-4-bit parameter to fp32, whatever dtype it loaded in.
+    other_weights = shape.other_params * 4
+    trainable = shape.lora_params(lora_rank, lora_targets)
+    # fp32 LoRA weights and fp32 gradients; under DDP the gradient buckets hold one more copy of the gradients.
+    lora = trainable * (4 + 4 + (4 if world_size > 1 else 0))
+    state_bytes = OPTIMIZER_STATE_BYTES.get(optimizer.lower(), 8)  # unknown optimizers: AdamW's 8, the safe side
+    optimizer_state = trainable * state_bytes
+    activations = tokens * activation_bytes_per_token(shape, lora_rank=lora_rank, lora_targets=lora_targets,
+                                                      gradient_checkpointing=gradient_checkpointing,
+                                                      compute_dtype=compute_dtype)
+    head = loss_head_bytes(shape, tokens, compute_dtype=compute_dtype, loss_head=loss_head)
+    allocated = weights_4bit + other_weights + lora + optimizer_state + activations + head
+    on_gpu = device == "cuda"
+    total = allocated * ALLOCATOR_SLACK + CUDA_CONTEXT_GIB * GIB if on_gpu else allocated
+    settings = dict(model=shape.name, max_length=max_length, micro_batch=micro_batch, lora_rank=lora_rank,
+                    lora_targets=lora_targets, gradient_checkpointing=gradient_checkpointing, optimizer=optimizer,
+                    compute_dtype=compute_dtype, device=device, world_size=world_size, loss_head=loss_head)
+    return MemoryEstimate(
+        weights_4bit_gib=weights_4bit / GIB, other_weights_gib=other_weights / GIB, lora_gib=lora / GIB,
+        optimizer_gib=optimizer_state / GIB, activations_gib=activations / GIB, loss_head_gib=head / GIB,
+        peak_allocated_gib=allocated / GIB, overhead_gib=(total - allocated) / GIB, total_gib=total / GIB,
+        trainable_params=trainable, settings=settings)
+
+
+def fit(shape: ModelShape, budget_gib: float, *, max_length: int = 1024, lora_rank: int = 16,
+        lora_targets: str | list[str] = "all-linear", gradient_checkpointing: bool = True,
+        optimizer: str = "paged_adamw_8bit", compute_dtype: str = "bfloat16", device: str = "cuda",
+        world_size: int = 1, max_micro_batch: int = 16, min_length: int = 256,
+        loss_head: str = "chunked") -> tuple[int, int, MemoryEstimate, str]:
+    """The largest micro-batch (a power of two up to max_micro_batch) that fits budget_gib at max_length.
+
+    Returns (micro_batch, max_length, estimate, reason). If even one row of max_length tokens does not fit,
+    the longest max_length (halving, not below min_length) at which one row fits is returned instead, and the
+    reason says so; if nothing fits, (1, max_length) with `estimate.fits` False and a reason saying what to change.
+    """
+    def at(batch: int, length: int) -> MemoryEstimate:
+        est = estimate(shape, max_length=length, micro_batch=batch, lora_rank=lora_rank, lora_targets=lora_targets,
+                       gradient_checkpointing=gradient_checkpointing, optimizer=optimizer,
+                       compute_dtype=compute_dtype, device=device, world_size=world_size, loss_head=loss_head)
+        est.budget_gib = budget_gib
+        return est
+
+    best = None
+    batch = 1
+    while batch <= max(1, max_micro_batch):
+        est = at(batch, max_length)
+        if not est.fits:
+            break
+        best = (batch, est)
+        batch *= 2
+    if best is not None:
+        batch, est = best
+        if batch * 2 > max_micro_batch:
+            limit = f"{batch} is the most asked for"
+        else:
+            limit = f"{batch * 2} would need ~{at(batch * 2, max_length).total_gib:.1f} GiB"
+        return batch, max_length, est, (f"{batch} x {max_length} tokens needs ~{est.total_gib:.1f} of "
+                                        f"{budget_gib:.1f} GiB; {limit}")
+    length = max_length // 2
+    while length >= min_length:
+        est = at(1, length)
+        if est.fits:
+            return 1, length, est, (f"one row of {max_length} tokens needs ~{at(1, max_length).total_gib:.1f} GiB, "
+                                    f"more than {budget_gib:.1f} GiB: max_length lowered to {length} "
+                                    f"(~{est.total_gib:.1f} GiB); longer rows are cut")
+        length //= 2
+    est = at(1, max_length)
+    return 1, max_length, est, (
+        f"does not fit: even one row of {max_length} tokens needs ~{est.total_gib:.1f} GiB and this GPU has "
+        f"{budget_gib:.1f} GiB. Pick a smaller model, a lower lora_rank or max_length, or a bigger GPU")

@@ -1,0 +1,205 @@
+"""Preflight on described machines (P100, T4, A100, H100; 4, 16 and 80 GB) and on this one, through the CLI."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from freetune import preflight
+from freetune.errors import FreetuneError
+from freetune.memory import KNOWN_SHAPES
+from freetune.preflight import GPU, Hardware, Plan, make_plan, read_hardware, torch_supports
+
+# What current PyTorch wheels (CUDA 12.8+) are built for: Turing and newer, no Pascal (sm_60) or Volta (sm_70).
+CURRENT_ARCHS = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]
+# An older wheel (CUDA 11.8 era) that still ran a P100.
+OLDER_ARCHS = ["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90"]
+
+
+def machine(name, capability, memory_gib, bf16, count=1, arch_list=CURRENT_ARCHS, **kwargs):
+    return Hardware(gpus=[GPU(name, capability, memory_gib)] * count, arch_list=list(arch_list), bf16_supported=bf16,
+                    torch="2.13.0", cuda="12.8", disk_free_gib={"/work": 60.0}, ram_total_gib=30.0,
+                    ram_available_gib=28.0, **kwargs)
+
+
+P100 = machine("Tesla P100-PCIE-16GB", (6, 0), 15.9, bf16=False)
+T4 = machine("Tesla T4", (7, 5), 14.7, bf16=False)
+A100 = machine("NVIDIA A100-SXM4-80GB", (8, 0), 79.2, bf16=True)
+H100 = machine("NVIDIA H100 80GB HBM3", (9, 0), 79.1, bf16=True)
+CARD_4GB = machine("NVIDIA GeForce GTX 1650", (7, 5), 3.8, bf16=False)
+
+
+def test_p100_is_refused_before_anything_loads_with_what_to_pick_instead():
+    with pytest.raises(FreetuneError) as refused:
+        make_plan(P100, model_shape="qwen2.5-1.5b")
+    message = str(refused.value)
+    assert "Tesla P100" in message and "sm_60" in message and "7.5 or newer" in message
+    assert 'Settings -> Accelerator -> "GPU T4 x2"' in message
+    assert "Runtime -> Change runtime type -> T4 GPU" in message
+
+
+def test_p100_runs_on_a_torch_still_built_for_it():
+    plan = make_plan(machine("Tesla P100-PCIE-16GB", (6, 0), 15.9, bf16=False, arch_list=OLDER_ARCHS))
+    assert (plan.compute_dtype, plan.mixed_precision) == ("float16", "fp16")
+
+
+def test_which_torch_builds_run_which_gpus():
+    assert torch_supports((8, 6), ["sm_80"])            # same major, newer minor: the sm_80 cubin runs
+    assert not torch_supports((8, 0), ["sm_86"])        # an older minor cannot run newer code
+    assert not torch_supports((9, 0), ["sm_80"])        # a cubin does not cross major versions...
+    assert torch_supports((9, 0), ["sm_80", "compute_80"])  # ...but PTX is compiled for newer GPUs at load
+    assert torch_supports((9, 0), ["sm_90a"])
+    assert not torch_supports((6, 0), CURRENT_ARCHS)
+
+
+@pytest.mark.parametrize("bf16", [False, True])  # recent torch reports emulated bf16 on a T4 as supported
+def test_t4_gets_the_fp16_policy_whatever_bf16_reports(bf16):
+    plan = make_plan(machine("Tesla T4", (7, 5), 14.7, bf16=bf16))
+    assert (plan.device, plan.compute_dtype, plan.mixed_precision, plan.policy) == ("cuda", "float16", "fp16", "turing")
+    assert plan.load_dtype == "float16" and plan.lora_dtype == "float32"
+    assert plan.attn_implementation == "sdpa"
+    assert "BFloat16" in plan.reasons["load_dtype"] and "sm_75" in plan.reasons["compute_dtype"]
+    assert "fp32" in plan.reasons["lora_dtype"]
+    assert plan.torch_dtype.__repr__() == "torch.float16"
+
+
+@pytest.mark.parametrize("hardware", [A100, H100], ids=["A100", "H100"])
+def test_ampere_and_newer_get_bf16(hardware):
+    plan = make_plan(hardware)
+    assert (plan.compute_dtype, plan.mixed_precision, plan.policy) == ("bfloat16", "bf16", "ampere")
+    assert plan.attn_implementation == "sdpa"
+    assert "flash-attn" in plan.reasons["attention"]
+
+
+def test_sm80_without_bf16_support_falls_back_to_fp16_and_says_why():
+    plan = make_plan(machine("NVIDIA A100-SXM4-80GB", (8, 0), 79.2, bf16=False))
+    assert (plan.compute_dtype, plan.mixed_precision) == ("float16", "fp16")
+    assert "no bf16" in plan.reasons["compute_dtype"]
+
+
+def test_flash_attention_2_only_where_installed_and_sm80_or_newer():
+    assert make_plan(machine("NVIDIA H100", (9, 0), 79.1, bf16=True, flash_attn=True)).attn_implementation == \
+        "flash_attention_2"
+    assert make_plan(machine("Tesla T4", (7, 5), 14.7, bf16=False, flash_attn=True)).attn_implementation == "sdpa"
+    # The T4 policy forced on an H100 emulates a T4: no FlashAttention 2 either.
+    assert make_plan(machine("NVIDIA H100", (9, 0), 79.1, bf16=True, flash_attn=True),
+                     force_policy="turing").attn_implementation == "sdpa"
+    assert make_plan(machine("Tesla T4", (7, 5), 14.7, bf16=False, sdpa=False)).attn_implementation == "eager"
+
+
+def test_forcing_a_policy_overrides_the_gpu():
+    forced = make_plan(H100, force_policy="turing")
+    assert (forced.compute_dtype, forced.mixed_precision) == ("float16", "fp16")
+    assert "forced" in forced.reasons["compute_dtype"]
+    assert make_plan(H100, precision="fp16").compute_dtype == "float16"
+    assert make_plan(T4, precision="bf16").compute_dtype == "bfloat16"
+    assert any("no native bf16" in w for w in make_plan(T4, precision="bf16").warnings)
+    with pytest.raises(FreetuneError, match="contradicts"):
+        make_plan(H100, force_policy="turing", precision="bf16")
+    with pytest.raises(FreetuneError, match="precision must be"):
+        make_plan(H100, precision="fp8")
+
+
+def test_no_gpu_is_fp32_on_the_cpu():
+    plan = make_plan(Hardware(ram_total_gib=16.0, ram_available_gib=12.0), model_shape="qwen2.5-1.5b")
+    assert (plan.device, plan.compute_dtype, plan.mixed_precision, plan.layout) == ("cpu", "float32", "no", "cpu")
+    assert plan.memory.settings["optimizer"] == "adamw_torch"  # bitsandbytes' 8-bit optimizers need CUDA
+    forced = make_plan(Hardware(), force_policy="turing")
+    assert forced.device == "cpu" and any("no GPU" in w for w in forced.warnings)
+
+
+def test_two_gpus_plan_ddp_through_torchrun():
+    plan = make_plan(machine("Tesla T4", (7, 5), 14.7, bf16=False, count=2), model_shape="qwen2.5-1.5b",
+                     micro_batch=1, grad_accum=8)
+    assert (plan.layout, plan.world_size, plan.rows_per_step) == ("ddp", 2, 16)
+    assert "torchrun --nproc_per_node=2" in plan.reasons["layout"] and "DataParallel" in plan.reasons["layout"]
+    under_torchrun = make_plan(machine("Tesla T4", (7, 5), 14.7, bf16=False, count=2, torchrun_world_size=1))
+    assert (under_torchrun.layout, under_torchrun.world_size) == ("single", 1)
+
+
+def test_16gb_t4_turns_one_by_eight_into_eight_by_one_for_the_1_5b_model():
+    plan = make_plan(T4, model_shape="Qwen/Qwen2.5-Coder-1.5B-Instruct", max_length=1024, grad_accum=8)
+    assert (plan.micro_batch, plan.grad_accum, plan.max_length) == (8, 1, 1024)
+    assert plan.memory.fits and plan.memory.total_gib <= 14.7
+    assert not plan.warnings
+
+
+def test_80gb_takes_the_largest_micro_batch_asked_for():
+    plan = make_plan(H100, model_shape="qwen3-8b", max_length=2048, grad_accum=16)
+    assert (plan.micro_batch, plan.grad_accum) == (16, 1) and plan.memory.fits
+
+
+def test_4gb_card():
+    # The tiny_4gb recipe's settings fit, with room to spare.
+    tiny = make_plan(CARD_4GB, model_shape="TinyLlama/TinyLlama-1.1B-Chat-v1.0", micro_batch=1, grad_accum=8,
+                     lora_rank=8, max_length=1024)
+    assert (tiny.micro_batch, tiny.grad_accum, tiny.compute_dtype) == (1, 8, "float16")
+    assert tiny.memory.fits and not tiny.warnings
+    # An 8B model cannot fit at all: micro-batch 1 and a warning saying what to change.
+    big = make_plan(CARD_4GB, model_shape="qwen3-8b", max_length=1024)
+    assert big.micro_batch == 1 and big.memory.fits is False
+    assert any("does not fit" in w and "smaller model" in w for w in big.warnings)
+    # A micro-batch asked for that does not fit is kept, with the one that would.
+    asked = make_plan(CARD_4GB, model_shape="qwen2.5-1.5b", micro_batch=8, grad_accum=1, max_length=1024)
+    assert asked.micro_batch == 8 and asked.memory.fits is False
+    assert any("use micro_batch=" in w for w in asked.warnings)
+
+
+def test_memory_budget_override_plans_for_a_capped_gpu():
+    plan = make_plan(H100, model_shape=KNOWN_SHAPES["qwen2.5-1.5b"], memory_budget_gib=4.0, grad_accum=8)
+    assert plan.memory.budget_gib == 4.0 and plan.micro_batch < 8 and plan.memory.fits
+
+
+def test_low_disk_is_warned_about():
+    hardware = machine("Tesla T4", (7, 5), 14.7, bf16=False)
+    hardware.disk_free_gib = {"/kaggle/working": 1.5}
+    plan = make_plan(hardware, model_shape="qwen2.5-1.5b")
+    assert any("1.5 GiB free in /kaggle/working" in w for w in plan.warnings)
+
+
+def test_plan_shows_itself_as_a_table_html_and_json():
+    plan = make_plan(T4, model_shape="qwen2.5-1.5b")
+    table = plan.table()
+    for choice in ("compute dtype", "mixed precision", "attention", "layout", "batch", "max_length", "memory"):
+        assert choice in table
+    assert "Tesla T4" in table and "fp16" in table
+    html = plan._repr_html_()
+    assert html.startswith("<table>") and "BFloat16" in html
+    data = json.loads(json.dumps(plan.to_dict()))
+    assert data["compute_dtype"] == "float16" and data["memory"]["fits"] is True
+
+
+def test_the_first_version_s_constructor_still_works():
+    plan = Plan("cpu", "float32", "no", "sdpa", {"precision": "no GPU"})
+    assert (plan.layout, plan.world_size, plan.micro_batch, plan.warnings) == ("cpu", 1, 1, [])
+    assert Plan("cuda", "float16", "fp16", "sdpa").layout == "single"
+
+
+def test_read_hardware_on_this_machine(tmp_path):
+    hardware = read_hardware(work_dir=str(tmp_path), checkpoint_dir=str(tmp_path / "not" / "yet" / "made"))
+    assert hardware.torch and hardware.python
+    assert set(hardware.disk_free_gib) == {str(tmp_path), str(tmp_path / "not" / "yet" / "made")}
+    assert hardware.ram_total_gib and hardware.ram_total_gib > 0.5
+    assert "Python" in hardware.report()
+
+
+def test_cli_json_on_this_machine():
+    out = subprocess.run([sys.executable, "-m", "freetune.preflight", "--json", "--model-shape", "qwen2.5-1.5b",
+                          "--max-length", "512"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    if not data["hardware"]["gpus"]:
+        assert (data["plan"]["device"], data["plan"]["compute_dtype"]) == ("cpu", "float32")
+    assert data["plan"]["max_length"] == 512 and data["plan"]["memory"]["settings"]["model"] == "Qwen2.5-1.5B"
+
+
+def test_cli_refuses_an_unsupported_gpu(monkeypatch, capsys):
+    monkeypatch.setattr(preflight, "read_hardware", lambda *a, **k: P100)
+    assert preflight.main(["--json"]) == 2
+    captured = capsys.readouterr()
+    assert "GPU T4 x2" in json.loads(captured.out)["error"]
+    assert "preflight refused" in captured.err
+    monkeypatch.setattr(preflight, "read_hardware", lambda *a, **k: T4)
+    assert preflight.main([]) == 0
+    assert "Tesla T4" in capsys.readouterr().out
