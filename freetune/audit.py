@@ -74,7 +74,7 @@ from freetune.errors import FreetuneError
 
 # The recipe parameters the messages name, so a user knows exactly what to change.
 ACCEPT_PARAMETER = "accept_data_problems"
-CLEAN_PARAMETER = "auto_clean_data"
+CLEAN_PARAMETER = "auto_clean"
 
 WHY_REPEATS_DOMINATE = (
     "Training loss is measured on the answers only, so every row pulls the model towards its own answer. A short "

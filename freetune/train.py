@@ -5,6 +5,10 @@ unreadable in papermill output and in torchrun logs, so they are off). At the en
 (main process only), and a summary (time, tokens, peak memory, first/last loss, adapter path) plus the log
 history go to reports/ as JSON; `show_summary` draws the loss and learning-rate plot from them, in the
 notebook, also after a torchrun job whose ranks printed elsewhere.
+
+Interruptions (freetune.checkpoint): every checkpoint is complete or ignored, a rerun resumes from the newest
+complete one (local, or from the Hub when `hub_checkpoint_repo` is set), and a time budget or SIGTERM stops at a
+step end with a final checkpoint; the summary then says `stopped_early` and why.
 """
 
 from __future__ import annotations
@@ -15,8 +19,10 @@ import os
 import time
 from pathlib import Path
 
+from freetune import checkpoint
 from freetune.distributed import COLLECTIVE_TIMEOUT_S, WriteTracer, check_replicas_agree, context, print0
 from freetune.errors import FreetuneError
+from freetune.model import adapter_dtype_guard
 from freetune.platform import Paths
 from freetune.preflight import Plan
 
@@ -46,9 +52,20 @@ def make_config(paths: Paths, plan: Plan, *, max_steps: int, micro_batch: int, g
                 max_grad_norm: float = 1.0, warmup_ratio: float = 0.03, logging_steps: int = 1,
                 save_steps: int = 50, save_total_limit: int = 3, gradient_checkpointing: bool = True,
                 seed: int = 0, assistant_only: bool = False, num_epochs: float = 1.0):
-    """An SFTConfig that follows the plan's precision and device; every knob here is a recipe parameter."""
+    """An SFTConfig that follows the plan's precision and device; every knob here is a recipe parameter.
+
+    save_total_limit: complete checkpoints kept (at least 2: the newest can be cut short by a disconnect while
+    the one before it is what a rerun resumes from).
+    """
     import torch
     from trl import SFTConfig
+
+    if save_total_limit is None or save_total_limit < 2:
+        raise FreetuneError(f"save_total_limit = {save_total_limit}: keep at least 2 checkpoints, so that a session "
+                            f"lost while the newest one is written still leaves a complete one to resume from.")
+    if save_steps < 1:
+        raise FreetuneError(f"save_steps = {save_steps}: checkpoint at least every few hundred steps (e.g. 50), or a "
+                            f"lost session loses the whole run.")
 
     if plan.device == "cpu" and ("paged" in optimizer or "8bit" in optimizer):
         # bitsandbytes' paged/8-bit optimisers need CUDA; on a CPU the same run uses plain AdamW.
@@ -110,6 +127,7 @@ class ProgressPrinter:
 
             def on_train_begin(self, args, state, control, **kwargs):
                 self.start = time.time()
+                self.first_step = state.global_step  # > 0 after a resume: the ETA counts this session's steps
                 self.last = (self.start, state.global_step, None)
 
             def on_log(self, args, state, control, logs=None, **kwargs):
@@ -122,7 +140,7 @@ class ProgressPrinter:
                 rate = ""
                 if tokens is not None and tokens0 is not None and now > t0:
                     rate = f"{(tokens - tokens0) / (now - t0):8.0f} tok/s"
-                done = max(state.global_step, 1)
+                done = max(state.global_step - self.first_step, 1)
                 eta = (now - self.start) / done * max(total_steps - state.global_step, 0)
                 print(f"step {state.global_step:>5}/{total_steps}  loss {logs['loss']:.4f}  "
                       f"lr {logs.get('learning_rate', 0):.2e}  {rate}  {where} {used:.2f}/{peak:.2f} GiB  "
@@ -133,26 +151,50 @@ class ProgressPrinter:
 
 
 def train(model, tokenizer, train_dataset, config, *, paths: Paths, eval_dataset=None, resume: bool = True,
-          extra_callbacks=()):
-    """Run SFTTrainer, save the adapter (main process), write the summary; returns the summary dict."""
+          extra_callbacks=(), time_budget_min: float = 0, hub_checkpoint_repo: str = "", hub_api=None):
+    """Run SFTTrainer, save the adapter (main process), write the summary; returns the summary dict.
+
+    resume: continue from the newest complete checkpoint of this run (paths.checkpoints, or the Hub).
+    time_budget_min: stop and save after this many minutes; 0 = the platform's session limit minus a margin
+        (Colab/Kaggle), none locally. SIGTERM stops and saves the same way.
+    hub_checkpoint_repo: a private Hub repo ("you/some-repo") that receives each complete checkpoint; "" = off.
+        Needs HF_TOKEN (Colab/Kaggle secrets or the environment): missing, it fails here, before any training.
+    hub_api: a huggingface_hub.HfApi-like object to use instead of a real one (tests).
+    """
     import torch
     from trl import SFTTrainer
 
     if len(train_dataset) == 0:
         raise FreetuneError("No training rows left (after cleaning). Check the data set and the audit above.")
-    trainer = SFTTrainer(model=model, args=config, train_dataset=train_dataset, eval_dataset=eval_dataset,
-                         processing_class=tokenizer,
-                         callbacks=[ProgressPrinter(config.max_steps), *extra_callbacks])
+    ctx = context()
+    budget_s, budget_text = checkpoint.time_budget(time_budget_min, paths.platform)
+    hub = None
+    if hub_checkpoint_repo and ctx.is_main:  # only the main process talks to the Hub
+        hub = checkpoint.HubSync.connect(hub_checkpoint_repo, run_name=Path(paths.run_dir).name,
+                                         keep=config.save_total_limit, api=hub_api)
+    if not resume and checkpoint.latest_complete(paths.checkpoints) is not None:
+        raise FreetuneError(f"{paths.checkpoints} holds checkpoints of an earlier run and resume is off: new ones "
+                            f"would mix with them. Change run_name to start fresh, or resume.")
+    stopper = checkpoint.stop_callback(budget_s, budget_text)
+    trainer = checkpoint.trainer_class(SFTTrainer)(
+        model=model, args=config, train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=tokenizer,
+        callbacks=[adapter_dtype_guard(),  # LoRA stays fp32: TRL casts it to bf16, fatal on a T4
+                   ProgressPrinter(config.max_steps), stopper, *extra_callbacks], hub=hub)
     from transformers.trainer_callback import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)  # it prints raw log dicts; ProgressPrinter prints one clean line
-    resume_from = latest_checkpoint(paths.checkpoints) if resume else None
-    if resume_from:
-        print0(f"Resuming from {resume_from}")
+    print0(f"Checkpoints: every {config.save_steps} steps, the last {config.save_total_limit} kept, in "
+           f"{paths.checkpoints}. Time budget: {budget_text}.")
+    resume_from = checkpoint.agree_on_resume(paths.checkpoints, config.max_steps, hub) if resume else None
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     start = time.time()
-    result = trainer.train(resume_from_checkpoint=resume_from)
+    try:
+        with checkpoint.sigterm_stops(stopper):
+            result = trainer.train(resume_from_checkpoint=resume_from)
+    finally:
+        if hub is not None:
+            hub.close()
     wall = time.time() - start
     check_replicas_agree(trainer.model)
 
@@ -161,6 +203,9 @@ def train(model, tokenizer, train_dataset, config, *, paths: Paths, eval_dataset
     _, peak, where = memory_gib()
     summary = {
         "steps": trainer.state.global_step,
+        "max_steps": trainer.state.max_steps,
+        "stopped_early": stopper.reason,  # None, or why it stopped before max_steps (a rerun continues)
+        "resumed_from": Path(resume_from).name if resume_from else None,
         "first_loss": losses[0] if losses else None,
         "last_loss": losses[-1] if losses else None,
         "train_loss": result.training_loss,
@@ -178,19 +223,18 @@ def train(model, tokenizer, train_dataset, config, *, paths: Paths, eval_dataset
         reports = Path(paths.reports)
         (reports / HISTORY_FILE).write_text(json.dumps(trainer.state.log_history, indent=1))
         (reports / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, sort_keys=True))
+    if stopper.reason:
+        print0(f"Stopped early at step {summary['steps']} of {summary['max_steps']} ({stopper.reason}). The adapter so "
+               f"far is in {paths.adapter}; run this again with the same run_name to continue from the checkpoint.")
     if WriteTracer.active is not None:
         WriteTracer.active.report(context().rank, paths.run_dir)
     return summary
 
 
 def latest_checkpoint(checkpoints_dir: str) -> str | None:
-    """The newest complete Trainer checkpoint, or None."""
-    folder = Path(checkpoints_dir)
-    if not folder.exists():
-        return None
-    candidates = sorted((p for p in folder.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()
-                         and (p / "trainer_state.json").exists()), key=lambda p: int(p.name.split("-")[-1]))
-    return str(candidates[-1]) if candidates else None
+    """The newest complete checkpoint (one whose completion marker vouches for every file), or None."""
+    found = checkpoint.latest_complete(checkpoints_dir)
+    return str(found) if found else None
 
 
 def show_summary(paths: Paths) -> dict:
