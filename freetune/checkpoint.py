@@ -10,7 +10,7 @@ deletes it and never loads it. What a kill at each point of a save leaves behind
   while the marker is written (temp file, then an atomic rename)     no marker -> deleted on resume
   after the marker, before old checkpoints are rotated out           one complete checkpoint too many: fine
   during rotation (an old one is renamed `.deleting-...`, then       the scratch folder is deleted on resume; a
-  deleted)                                                           half-deleted folder never has its marker name
+  deleted)                                                           half-deleted folder never keeps a checkpoint name
 
 Old checkpoints are rotated out only after the new one's marker is written, and only complete ones count, so
 there are always at least `save_total_limit` (>= 2) complete checkpoints once that many were saved.
@@ -344,8 +344,8 @@ def stop_callback(budget_s: float | None, budget_text: str):
                 self.reason = "SIGTERM received" if flag == self.SIGTERM else f"time budget of {budget_text} reached"
                 control.should_save = True
                 control.should_training_stop = True
-                print0(f"Stopping at step {state.global_step} of {state.max_steps}: {self.reason}. Saving a checkpoint; "
-                       f"run this again with the same run_name to continue.")
+                print0(f"Stopping at step {state.global_step} of {state.max_steps}: {self.reason}. Saving a "
+                       f"checkpoint; run this again with the same run_name to continue.")
             return control
 
     return StopAndSave()

@@ -154,6 +154,12 @@ comparison = freetune.sanity.compare(model_id, paths.adapter, freetune.sanity.pi
                                      task="svg", max_new_tokens=max_new_tokens)
 comparison
 
+# %%
+# Side by side: prompt, base model, adapter, reference (a box says so where an answer does not render).
+from IPython.display import Image
+
+Image(filename=str(freetune.tasks.svg.side_by_side_png(comparison.examples(), f"{paths.reports}/side_by_side.png")))
+
 # %% [markdown]
 # ## Export
 # The adapter (a few MB to a few hundred) is always saved in the run folder. To run the model at home:

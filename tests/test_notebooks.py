@@ -64,7 +64,8 @@ def test_colab_notebook_trains_inline_and_the_adapter_reloads(tmp_path):
     assert_trained_and_reloads(record, nb)
     text = text_of(nb)
     assert "Data audit" in text and "Trained 8 steps" in text
-    assert "image/png" in text  # the loss plot (and the SVG side-by-side) are shown
+    assert text.count("image/png") >= 2  # the loss plot and the SVG side-by-side image are shown
+    assert (tmp_path / "runs" / "svg-coder" / "reports" / "side_by_side.png").exists()
 
 
 def test_kaggle_notebook_runs_train_ddp_under_torchrun_with_two_processes(tmp_path):
