@@ -8,6 +8,7 @@ Modules, in the order a recipe uses them:
   audit        find junk rows before training, and clean them
   model        the 4-bit base model and its LoRA adapter
   train        SFTTrainer with progress, memory and a summary; writes run_summary.json
+  checkpoint   complete-or-ignored checkpoints, resume, time budget, SIGTERM, Hub sync
   distributed  torchrun's RANK/LOCAL_RANK/WORLD_SIZE: one script for 1 or N processes
   launch       the Kaggle cell that runs train_ddp.py under torchrun and streams its logs
   sanity       what the adapter generates, base vs adapter; collapse detection
@@ -24,7 +25,7 @@ __version__ = "0.1.0"
 __all__ = ["FreetuneError", "__version__"]
 
 _SUBMODULES = {"params", "platform", "preflight", "memory", "data", "audit", "model", "train", "distributed",
-               "launch", "sanity", "tasks", "export", "secrets", "fixtures"}
+               "launch", "checkpoint", "sanity", "tasks", "export", "secrets", "fixtures"}
 
 
 def __getattr__(name):

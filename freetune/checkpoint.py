@@ -253,9 +253,9 @@ def trainer_class(base):
                     self.hub.submit(folder)
 
         def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-            # peft's load_adapter upcasts a bf16/fp16 adapter to fp32 (autocast_adapter_dtype), but the run trained
-            # it in its own dtype (TRL keeps a QLoRA adapter in bf16): without casting back, a resumed run computes
-            # in another precision than an uninterrupted one and drifts away from it.
+            # peft's load_adapter upcasts a 16-bit adapter to fp32 (autocast_adapter_dtype) whatever dtype the run
+            # trains it in (fp32 behind freetune.model.adapter_dtype_guard; bf16 where TRL's cast is left alone).
+            # Seen with the bf16 adapter: the resumed run computed in fp32 and drifted from the uninterrupted one.
             target = model if model is not None else self.model
             dtypes = {name: p.dtype for name, p in target.named_parameters() if p.requires_grad}
             super()._load_from_checkpoint(resume_from_checkpoint, model)

@@ -116,10 +116,17 @@ def load_base_model(model_id: str, plan: Plan, *, local_rank: int = 0, gradient_
     return model
 
 
-def attach_lora(model, *, rank: int, alpha: int, dropout: float, target_modules: str | list[str] = "all-linear"):
-    """Wrap the model with a LoRA adapter; returns (peft_model, trainable, total) parameter counts."""
-    from peft import LoraConfig, get_peft_model
+def attach_lora(model, *, rank: int, alpha: int, dropout: float, target_modules: str | list[str] = "all-linear",
+                seed: int | None = None):
+    """Wrap the model with a LoRA adapter; returns (peft_model, trainable, total) parameter counts.
 
+    seed: seeds LoRA's random A matrices, so two runs with the same seed start from the same adapter.
+    """
+    from peft import LoraConfig, get_peft_model
+    from transformers import set_seed
+
+    if seed is not None:
+        set_seed(seed)
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
                         bias="none", task_type="CAUSAL_LM")
     try:

@@ -41,6 +41,8 @@ gradient_checkpointing: bool = True  # recompute activations in backward: ~30% s
 precision: str = "auto"  # "auto" picks from the GPU; "fp16" forces the T4/Turing policy, "bf16" Ampere's
 gpu_memory_cap_gib: float = 0.0  # emulate a smaller card on a bigger one (e.g. 4.0); 0 means no cap
 save_steps: int = 50  # checkpoint every N steps, so a crash resumes instead of restarting
+time_budget_min: float = 0  # stop and save a checkpoint after this many minutes; 0: 1 h before the platform's limit (Colab/Kaggle 12 h), none locally
+hub_checkpoint_repo: str = ""  # private Hub repo that receives every checkpoint, so a new session can resume from it; needs HF_TOKEN
 logging_steps: int = 1  # print progress and GPU memory at every step: the point of this recipe
 output_dir: str = ""  # empty: the platform's default (Kaggle /kaggle/working, Colab /content or Drive)
 run_name: str = "tiny-4gb"  # folder name of this run; reuse it to resume, change it to start fresh
@@ -75,8 +77,9 @@ plan = freetune.preflight.make_plan(
     lora_rank=lora_rank, gradient_checkpointing=gradient_checkpointing, optimizer=optimizer, precision=precision,
     memory_budget_gib=gpu_memory_cap_gib or None,
 )
-if hub_repo:  # a missing token must stop us now, not after an hour of training
-    freetune.secrets.hf_token(required=True, purpose=f"push to {hub_repo}")
+for repo in (hub_repo, hub_checkpoint_repo):  # a missing token must stop us now, not after hours of training
+    if repo:
+        freetune.secrets.hf_token(required=True, purpose=f"push to {repo}")
 plan
 
 # %% tags=["paths"]
@@ -120,7 +123,7 @@ model = freetune.model.load_base_model(model_id, plan, local_rank=dist.local_ran
                                        gradient_checkpointing=gradient_checkpointing,
                                        memory_cap_gib=gpu_memory_cap_gib)
 model, trainable, total = freetune.model.attach_lora(model, rank=lora_rank, alpha=lora_alpha,
-                                                     dropout=lora_dropout, target_modules=lora_targets)
+                                                     dropout=lora_dropout, target_modules=lora_targets, seed=seed)
 freetune.distributed.print_layout(dist, plan.micro_batch, plan.grad_accum, trainable, total)
 
 # %% [markdown]
@@ -135,7 +138,8 @@ config = freetune.train.make_config(
     logging_steps=logging_steps, save_steps=save_steps, gradient_checkpointing=gradient_checkpointing,
     seed=seed, assistant_only="messages" in train_rows.column_names,
 )
-summary = freetune.train.train(model, tokenizer, train_rows, config, paths=paths)
+summary = freetune.train.train(model, tokenizer, train_rows, config, paths=paths,
+                               time_budget_min=time_budget_min, hub_checkpoint_repo=hub_checkpoint_repo)
 del model  # free the GPU for the evaluation below
 freetune.distributed.cleanup()
 

@@ -2,9 +2,11 @@
 trained on contaminated and on clean data, compared with their base through `compare` and the CLI."""
 
 import json
+import random
 
 import pytest
 
+from freetune.data import completion_text
 from freetune.errors import FreetuneError
 from freetune.sanity import (Generation, compare, generate, main, near_identical, normalise,
                              repeated_ngram_rate, resolve_adapter_dir, sanity_report)
@@ -194,15 +196,15 @@ def test_generate_needs_a_chat_template(tiny):
 
 # ---------------------------------------------------------------- trained adapters: collapsed vs clean (slow)
 #
-# The tiny model has random weights: its logits are nearly flat (hidden size 64, embeddings of std 0.02), so
-# LoRA on the linear layers alone cannot make any answer likely. Training a copy of lm_head too
-# (modules_to_save) lets it learn a format in a few dozen steps. The eight evaluation prompts each have a
-# clean SVG answer in both data sets; the contaminated set adds 24 other prompts answered with the stub
-# (75% of rows), the clean set the same 24 prompts with their SVGs. Same steps, same seed.
+# Prompts are "Draw a <colour> <shape>." over 8 colours x 4 shapes; 8 of the 32 are held out for the check, as
+# a recipe holds out its evaluation rows. The contaminated set answers 75% of the 24 training prompts, picked at
+# random (so nothing in a prompt predicts it), with the stub; the clean set answers all with their SVG. Same
+# steps, same seed. Judged on held-out prompts, a model that followed its data answers with the stub when
+# contaminated, and with SVGs when clean.
 
 COLOURS = ["red", "blue", "green", "orange", "purple", "black", "teal", "gold"]
-OTHER_SHAPES = ["square", "star", "heart"]
-STEPS = 80
+SHAPES = ["circle", "square", "star", "heart"]
+STEPS = 40
 
 
 def chat_row(colour, shape, completion=None):
@@ -211,16 +213,35 @@ def chat_row(colour, shape, completion=None):
             "completion": [{"role": "assistant", "content": completion or f'<svg><{shape} fill="{colour}"/></svg>'}]}
 
 
-EVAL_ROWS = [chat_row(colour, "circle") for colour in COLOURS]
+HELD_OUT = [(colour, SHAPES[i % 4]) for i, colour in enumerate(COLOURS)]
+EVAL_ROWS = [chat_row(colour, shape) for colour, shape in HELD_OUT]
+TRAIN_PROMPTS = [(c, s) for s in SHAPES for c in COLOURS if (c, s) not in HELD_OUT]
 
 
 def training_rows(contaminated: bool):
-    others = [chat_row(c, s, STUB if contaminated else None) for s in OTHER_SHAPES for c in COLOURS]
-    return EVAL_ROWS + others
+    stubbed = set(random.Random(0).sample(range(len(TRAIN_PROMPTS)), k=len(TRAIN_PROMPTS) * 3 // 4))
+    return [chat_row(c, s, STUB if contaminated and i in stubbed else None) for i, (c, s) in enumerate(TRAIN_PROMPTS)]
+
+
+@pytest.fixture(scope="module")
+def sharp_tiny_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model with its final norm scaled up 16x. With random weights (hidden size 64, embeddings of std
+    0.02) its logits are nearly flat, so no LoRA update could make any answer likely; a trained model's are
+    peaked. Scaling the norm gives it peaked logits without training a copy of the 152k-row output layer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path_factory.mktemp("sharp-tiny")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(16)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(out)
+    return out
 
 
 def train_adapter(base_dir, rows, out_dir):
-    """LoRA (plus lm_head) on the tiny model with a high learning rate; returns the run folder."""
+    """LoRA r16 on every linear layer with a high learning rate; returns the run folder (checkpoint-N, final)."""
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -230,37 +251,39 @@ def train_adapter(base_dir, rows, out_dir):
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     config = SFTConfig(output_dir=str(out_dir), use_cpu=True, report_to=[], max_steps=STEPS, learning_rate=1e-2,
                        lr_scheduler_type="constant", per_device_train_batch_size=8, max_length=48,
-                       save_steps=STEPS, logging_steps=STEPS, seed=0, disable_tqdm=True)
+                       save_steps=STEPS, logging_steps=10, seed=0, disable_tqdm=True)
     trainer = SFTTrainer(model=model, args=config, train_dataset=Dataset.from_list(rows),
                          processing_class=AutoTokenizer.from_pretrained(base_dir),
                          peft_config=LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear",
-                                                modules_to_save=["lm_head"], task_type="CAUSAL_LM"))
+                                                task_type="CAUSAL_LM"))
     trainer.train()
     trainer.save_model(str(out_dir / "final"))
     return out_dir
 
 
 @pytest.mark.slow
-def test_adapter_trained_on_stub_rows_is_collapsed(tiny_model_dir, tmp_path, capsys):
-    run = train_adapter(tiny_model_dir, training_rows(contaminated=True), tmp_path / "stub-run")
+def test_adapter_trained_on_stub_rows_is_collapsed(sharp_tiny_model_dir, tmp_path, capsys):
+    rows = training_rows(contaminated=True)
+    assert sum(completion_text(r) == STUB for r in rows) / len(rows) == 0.75
+    run = train_adapter(sharp_tiny_model_dir, rows, tmp_path / "stub-run")
     data = tmp_path / "eval.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in EVAL_ROWS))
     # Through the command line, on the Trainer's checkpoint folder (a run stopped early has only those).
-    status = main(["--base", str(tiny_model_dir), "--adapter", str(run / f"checkpoint-{STEPS}"),
+    status = main(["--base", str(sharp_tiny_model_dir), "--adapter", str(run / f"checkpoint-{STEPS}"),
                    "--data", str(data), "--task", "svg", "--rows", "8", "--max-new-tokens", "16", "--json"])
     report = json.loads(capsys.readouterr().out)
-    assert status == 1
     adapter = report["adapter"]
     assert adapter["verdict"] == "collapsed", adapter
+    assert status == 1
     assert near_identical(normalise(adapter["most_common_output"]), normalise(STUB)), adapter["most_common_output"]
     assert adapter["most_common_prompts"] >= 6
     assert report["adapter_task"]["has_svg_block"] < 0.5
 
 
 @pytest.mark.slow
-def test_adapter_trained_on_clean_rows_is_not_collapsed(tiny_model_dir, tmp_path):
-    run = train_adapter(tiny_model_dir, training_rows(contaminated=False), tmp_path / "clean-run")
-    report = compare(tiny_model_dir, run / "final", EVAL_ROWS, task="svg", max_new_tokens=16)
+def test_adapter_trained_on_clean_rows_is_not_collapsed(sharp_tiny_model_dir, tmp_path):
+    run = train_adapter(sharp_tiny_model_dir, training_rows(contaminated=False), tmp_path / "clean-run")
+    report = compare(sharp_tiny_model_dir, run / "final", EVAL_ROWS, task="svg", max_new_tokens=16)
     adapter = report.adapter
     assert adapter["verdict"] == "ok", report.table()
     assert adapter["most_common_share"] < 0.5 and adapter["distinct_ratio"] >= 0.3
