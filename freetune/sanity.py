@@ -21,8 +21,10 @@ It exits with status 1 when the adapter's verdict is "collapsed".
 from __future__ import annotations
 
 import argparse
+import functools
 import html
 import json
+import os
 import re
 import sys
 from collections import Counter
@@ -136,17 +138,33 @@ def normalise(text: str) -> str:
     return " ".join(text.split()).casefold()
 
 
+Q = 8
+
+
+@functools.lru_cache(maxsize=4096)
+def _qgrams(text: str) -> frozenset:
+    return frozenset(text[i:i + Q] for i in range(len(text) - Q + 1))
+
+
 def near_identical(a: str, b: str) -> bool:
     """True when two (normalised) outputs differ in only a few characters: the same answer, give or take."""
     if a == b:
         return True
     total = len(a) + len(b)
     allowance = max(NEAR_IDENTICAL_MIN_CHARS, NEAR_IDENTICAL_FRACTION * total / 2)
-    matcher = SequenceMatcher(None, a, b, autojunk=False)
-    # quick_ratio bounds the matching characters from above: most pairs are ruled out without the full diff.
-    if total * (1 - matcher.quick_ratio()) > allowance:
+    if abs(len(a) - len(b)) > allowance:
         return False
-    matching = sum(block.size for block in matcher.get_matching_blocks())
+    # Each edit touches at most Q of a text's Q-grams, so texts whose Q-gram sets differ by more cannot be
+    # near-identical: this rules out most pairs of long outputs in O(length), before the quadratic diff.
+    grams_a, grams_b = _qgrams(a), _qgrams(b)
+    if len(grams_a - grams_b) > Q * allowance or len(grams_b - grams_a) > Q * allowance:
+        return False
+    # The diff is quadratic: run it only on what lies between the common prefix and suffix.
+    prefix = len(os.path.commonprefix([a, b]))
+    suffix = len(os.path.commonprefix([a[prefix:][::-1], b[prefix:][::-1]]))
+    middle_a, middle_b = a[prefix:len(a) - suffix], b[prefix:len(b) - suffix]
+    matcher = SequenceMatcher(None, middle_a, middle_b, autojunk=False)
+    matching = prefix + suffix + sum(block.size for block in matcher.get_matching_blocks())
     return total - 2 * matching <= allowance
 
 
@@ -443,8 +461,11 @@ def resolve_adapter_dir(adapter_dir: str | Path) -> Path:
                         f"saved the adapter to, or one of its checkpoint-N folders.")
 
 
-def load_for_comparison(base_model: str | Path, adapter_dir: str | Path):
-    """(peft model, tokenizer): the base 4-bit on a GPU (as it trained) or fp32 on a CPU, the adapter on top."""
+def load_for_comparison(base_model: str | Path, adapter_dir: str | Path, plan=None):
+    """(peft model, tokenizer): the base 4-bit on a GPU (as it trained) or fp32 on a CPU, the adapter on top.
+
+    plan: the run's freetune.preflight.Plan, for its compute dtype (read from this machine when None).
+    """
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
@@ -453,7 +474,7 @@ def load_for_comparison(base_model: str | Path, adapter_dir: str | Path):
     if torch.cuda.is_available():
         from freetune.preflight import make_plan
 
-        dtype = make_plan().torch_dtype
+        dtype = (plan or make_plan()).torch_dtype
         kwargs = dict(dtype=dtype, device_map={"": torch.cuda.current_device()},
                       quantization_config=BitsAndBytesConfig(
                           load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
@@ -476,18 +497,20 @@ def load_for_comparison(base_model: str | Path, adapter_dir: str | Path):
 
 def compare(base_model: str | Path, adapter_dir: str | Path, rows, *, task: str | ModuleType | None = None,
             greedy: bool = True, seeds=(0, 1, 2), temperature: float = 0.7, max_new_tokens: int = 256,
-            batch_size: int = 8) -> ComparisonReport:
+            batch_size: int = 8, plan=None) -> ComparisonReport:
     """Load the base model and the adapter (final folder or checkpoint-N) and compare their generations.
 
     base_model: the folder or hub id training started from. rows: normalised rows with varied prompts (a few
     held-out ones; 8 is plenty). task: "svg", "home_assistant" or None for the sanity numbers only.
+    This loads a second copy of the base: free the training model first on a small GPU, or call
+    compare_model on the model already in memory.
     """
     import gc
 
     import torch
 
     adapter_dir = resolve_adapter_dir(adapter_dir)
-    model, tokenizer = load_for_comparison(base_model, adapter_dir)
+    model, tokenizer = load_for_comparison(base_model, adapter_dir, plan=plan)
     try:
         return compare_model(model, tokenizer, rows, task=task, greedy=greedy, seeds=seeds,
                              temperature=temperature, max_new_tokens=max_new_tokens, batch_size=batch_size,

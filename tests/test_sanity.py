@@ -194,3 +194,133 @@ def test_generate_needs_a_chat_template(tiny):
         tokenizer.chat_template = template
 
 
+
+# ---------------------------------------------------------------- trained adapters: collapsed vs clean (slow)
+#
+# Prompts are "Draw a <colour> <shape>." over 8 colours x 4 shapes; 8 of the 32 are held out for the check, as
+# a recipe holds out its evaluation rows. The contaminated set answers 75% of the 24 training prompts, picked at
+# random (so nothing in a prompt predicts it), with the stub; the clean set answers all with their SVG. Same
+# steps, same seed. Judged on held-out prompts, a model that followed its data answers with the stub when
+# contaminated, and with SVGs when clean.
+
+COLOURS = ["red", "blue", "green", "orange", "purple", "black", "teal", "gold"]
+SHAPES = ["circle", "square", "star", "heart"]
+STEPS = 60  # enough to learn the stub (75% of rows) and, when clean, the SVG; far more also learns the 25%
+BATCH = 8
+
+
+def chat_row(colour, shape, completion=None):
+    return {"prompt": [{"role": "system", "content": "You draw SVG."},
+                       {"role": "user", "content": f"Draw a {colour} {shape}."}],
+            "completion": [{"role": "assistant", "content": completion or f'<svg><{shape} fill="{colour}"/></svg>'}]}
+
+
+HELD_OUT = [(colour, SHAPES[i % 4]) for i, colour in enumerate(COLOURS)]
+EVAL_ROWS = [chat_row(colour, shape) for colour, shape in HELD_OUT]
+TRAIN_PROMPTS = [(c, s) for s in SHAPES for c in COLOURS if (c, s) not in HELD_OUT]
+
+
+def training_rows(contaminated: bool):
+    stubbed = set(random.Random(0).sample(range(len(TRAIN_PROMPTS)), k=len(TRAIN_PROMPTS) * 3 // 4))
+    return [chat_row(c, s, STUB if contaminated and i in stubbed else None) for i, (c, s) in enumerate(TRAIN_PROMPTS)]
+
+
+@pytest.fixture(scope="module")
+def sharp_tiny_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model with its final norm scaled up 16x. With random weights (hidden size 64, embeddings of std
+    0.02) its logits are nearly flat, so no LoRA update could make any answer likely; a trained model's are
+    peaked. Scaling the norm gives it peaked logits without training a copy of the 152k-row output layer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path_factory.mktemp("sharp-tiny")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(16)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(out)
+    return out
+
+
+def tokenize_chat(tokenizer, row):
+    """Input ids of the whole chat, and labels that score only the answer (and its end-of-turn token)."""
+    prompt = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
+    full = tokenizer.apply_chat_template(row["prompt"] + row["completion"], tokenize=False)
+    assert full.startswith(prompt)
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    ids = tokenizer(full, add_special_tokens=False)["input_ids"]
+    return {"input_ids": ids, "labels": [-100] * len(prompt_ids) + ids[len(prompt_ids):]}
+
+
+def train_adapter(base_dir, rows, out_dir):
+    """LoRA r16 on every linear layer with a high learning rate; returns the run folder (checkpoint-N, final).
+
+    LoRA's random init is seeded here: it runs before the Trainer seeds anything, so otherwise it would depend on
+    what earlier tests drew from the global generator.
+
+    transformers' Trainer rather than TRL's SFTTrainer: on a CPU, SFTTrainer's chunked log-prob head costs ~4x
+    the plain loss here (152k-token vocabulary), and what is under test is the check, not the trainer. The
+    checkpoint-N folders are the same Trainer's.
+    """
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, set_seed
+
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    set_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32),
+                           LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear",
+                                      task_type="CAUSAL_LM"))
+    dataset = Dataset.from_list([tokenize_chat(tokenizer, row) for row in rows])
+
+    def collate(batch):
+        width = max(len(b["input_ids"]) for b in batch)
+        pad = [width - len(b["input_ids"]) for b in batch]
+        return {"input_ids": torch.tensor([b["input_ids"] + [tokenizer.pad_token_id] * p for b, p in zip(batch, pad)]),
+                "labels": torch.tensor([b["labels"] + [-100] * p for b, p in zip(batch, pad)]),
+                "attention_mask": torch.tensor([[1] * len(b["input_ids"]) + [0] * p for b, p in zip(batch, pad)])}
+
+    args = TrainingArguments(output_dir=str(out_dir), use_cpu=True, report_to=[], max_steps=STEPS,
+                             learning_rate=5e-3, lr_scheduler_type="constant", per_device_train_batch_size=BATCH,
+                             save_steps=STEPS, logging_steps=10, seed=0, disable_tqdm=True,
+                             remove_unused_columns=False)
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=collate,
+                      processing_class=tokenizer)
+    trainer.train()
+    trainer.save_model(str(out_dir / "final"))
+    return out_dir
+
+
+@pytest.mark.slow
+def test_adapter_trained_on_stub_rows_is_collapsed(sharp_tiny_model_dir, tmp_path, capsys):
+    rows = training_rows(contaminated=True)
+    assert sum(completion_text(r) == STUB for r in rows) / len(rows) == 0.75
+    run = train_adapter(sharp_tiny_model_dir, rows, tmp_path / "stub-run")
+    data = tmp_path / "eval.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in EVAL_ROWS))
+    capsys.readouterr()  # drop the Trainer's log lines: stdout is the report from here on
+    # Through the command line, on the Trainer's checkpoint folder (a run stopped early has only those).
+    status = main(["--base", str(sharp_tiny_model_dir), "--adapter", str(run / f"checkpoint-{STEPS}"),
+                   "--data", str(data), "--task", "svg", "--rows", "8", "--max-new-tokens", "16", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    adapter = report["adapter"]
+    assert adapter["verdict"] == "collapsed", adapter
+    assert status == 1
+    assert near_identical(normalise(adapter["most_common_output"]), normalise(STUB)), adapter["most_common_output"]
+    assert adapter["most_common_prompts"] >= 6
+    assert report["adapter_task"]["has_svg_block"] < 0.5
+
+
+@pytest.mark.slow
+def test_adapter_trained_on_clean_rows_is_not_collapsed(sharp_tiny_model_dir, tmp_path):
+    run = train_adapter(sharp_tiny_model_dir, training_rows(contaminated=False), tmp_path / "clean-run")
+    report = compare(sharp_tiny_model_dir, run / "final", EVAL_ROWS, task="svg", max_new_tokens=16)
+    adapter = report.adapter
+    assert adapter["verdict"] == "ok", report.table()
+    assert adapter["most_common_share"] < 0.5 and adapter["distinct_ratio"] >= 0.3
+    # It learnt the task: its answers are SVG, where the untrained base's are not. A model that said anything
+    # at random would also not be "collapsed"; this one is not collapsed while doing the task.
+    assert report.adapter_task["has_svg_block"] >= 0.75 and report.base_task["has_svg_block"] == 0.0
+    assert report.examples()[0]["reference"] == '<svg><circle fill="red"/></svg>'
+    assert "COLLAPSED" not in report._repr_html_()

@@ -161,7 +161,8 @@ def _wrap(draw, text: str, font, width: int) -> list[str]:
     return lines + ([line] if line else [])
 
 
-def _draw_text(draw, box: tuple[int, int, int, int], text: str, font, fill) -> None:
+def _draw_text(draw, box: tuple[int, int, int, int], text: str, font, fill) -> int:
+    """Word-wrapped text in the box, cut with "…" when it does not fit; returns the y below the last line."""
     left, top, right, bottom = box
     line_height = font.size + 3
     max_lines = max(1, (bottom - top) // line_height)
@@ -171,6 +172,7 @@ def _draw_text(draw, box: tuple[int, int, int, int], text: str, font, fill) -> N
         lines[-1] = lines[-1] + " …"
     for i, line in enumerate(lines):
         draw.text((left, top + i * line_height), line, font=font, fill=fill)
+    return top + len(lines) * line_height
 
 
 def side_by_side_png(rows: list[dict], path: str | Path, cell: int = 192) -> Path:
@@ -206,7 +208,10 @@ def side_by_side_png(rows: list[dict], path: str | Path, cell: int = 192) -> Pat
             if picture is None:
                 draw.rectangle(box, fill=(236, 236, 236), outline=(160, 160, 160))
                 inner = (box[0] + pad, box[1] + pad, box[2] - pad, box[3] - pad)
-                _draw_text(draw, inner, f"does not render: {reason}", font, (150, 0, 0))
+                below = _draw_text(draw, inner, f"does not render: {reason}", font, (150, 0, 0))
+                # What the model said instead: a collapsed adapter's stub is seen at a glance.
+                excerpt = " ".join(text.split())[:300] or "(empty output)"
+                _draw_text(draw, (inner[0], below + 8, inner[2], inner[3]), excerpt, font, (80, 80, 80))
                 continue
             left = box[0] + (box[2] - box[0] - picture.width) // 2
             upper = box[1] + (box[3] - box[1] - picture.height) // 2
