@@ -84,7 +84,11 @@ def _required_files(world_size: int) -> list[str]:
 def write_marker(folder: str | Path, step: int, world_size: int) -> Path:
     """Declare checkpoint-N complete: flush every file to disk, then write the marker atomically (temp + rename)."""
     folder = Path(folder)
-    missing = [name for name in _required_files(world_size) if not (folder / name).is_file()]
+    # FSDP (FULL_STATE_DICT) saves the gathered optimizer state as optimizer.bin, written by rank 0 alone,
+    # beside pytorch_model_fsdp.bin (the adapter for the resume); DDP and one process save optimizer.pt.
+    fsdp_optimizer = (folder / "optimizer.bin").is_file()
+    missing = [name for name in _required_files(world_size) if not (folder / name).is_file()
+               and not (name == "optimizer.pt" and fsdp_optimizer)]
     if not any(folder.glob("*.safetensors")):
         missing.append("the adapter weights (*.safetensors)")
     if missing:

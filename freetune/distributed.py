@@ -23,6 +23,8 @@ class DistContext:
     world_size: int
     backend: str | None     # "nccl", "gloo", or None when running alone
     device: str             # "cuda:N" or "cpu"
+    node: int = 0           # this host's place among the hosts (torchrun's GROUP_RANK; 0 on one host)
+    nodes: int = 1          # hosts in the job (WORLD_SIZE / LOCAL_WORLD_SIZE under torchrun)
 
     @property
     def is_main(self) -> bool:
@@ -46,7 +48,9 @@ def context() -> DistContext:
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     cuda = torch.cuda.is_available() and os.environ.get("FREETUNE_FORCE_CPU") != "1"
     backend = None if world_size == 1 else ("nccl" if cuda else "gloo")
-    return DistContext(rank, local_rank, world_size, backend, f"cuda:{local_rank}" if cuda else "cpu")
+    node = int(os.environ.get("GROUP_RANK", 0))
+    nodes = max(world_size // max(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), 1), 1)
+    return DistContext(rank, local_rank, world_size, backend, f"cuda:{local_rank}" if cuda else "cpu", node, nodes)
 
 
 def init(timeout_s: int = COLLECTIVE_TIMEOUT_S) -> DistContext:
@@ -62,6 +66,16 @@ def init(timeout_s: int = COLLECTIVE_TIMEOUT_S) -> DistContext:
     if ctx.distributed and not dist.is_initialized():
         kwargs = {"device_id": torch.device(ctx.device)} if ctx.backend == "nccl" else {}
         dist.init_process_group(ctx.backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+    if ctx.distributed:
+        # Every rank says where it is: with several hosts each host keeps its own logs, and these lines are how
+        # a failure in one of them is placed. Under the c10d rendezvous torchrun numbers the hosts itself
+        # (GROUP_RANK), whatever --node_rank said, so the host that holds global rank 0 (the one that writes)
+        # is known only from here.
+        import socket
+
+        writes = " (global rank 0: the only one that writes)" if ctx.is_main else ""
+        print(f"node {ctx.node} of {ctx.nodes} ({socket.gethostname()}): global rank {ctx.rank} of "
+              f"{ctx.world_size}, local rank {ctx.local_rank} on {ctx.device} ({ctx.backend}){writes}", flush=True)
     return ctx
 
 

@@ -46,11 +46,38 @@ def visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def rendezvous_args(*, nproc: int, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None,
+                    rdzv_id: str = "freetune", is_host: bool | None = None) -> list[str]:
+    """torchrun's arguments that place this launcher in the job: --standalone on one host; on several, the same
+    c10d rendezvous on every host (HOST:PORT of the first machine, one job id), so no launcher of our own is needed.
+
+    node_rank is passed for the logs' sake: the c10d rendezvous numbers the hosts itself (GROUP_RANK), so which
+    host holds global rank 0, the one that writes, is decided when they meet (each rank logs where it is).
+    is_host: whether this launcher serves the rendezvous store (torchrun guesses it from the endpoint's hostname;
+    give it when that guess cannot work, e.g. two launchers on one machine).
+    """
+    if nnodes <= 1:
+        return ["--standalone", f"--nproc_per_node={nproc}"]
+    if not rdzv_endpoint or ":" not in rdzv_endpoint:
+        raise FreetuneError(f"A {nnodes}-host job needs rdzv_endpoint='HOST:PORT' (the first machine's address and a "
+                            f"free port that every host can reach), got {rdzv_endpoint!r}.")
+    if not 0 <= node_rank < nnodes:
+        raise FreetuneError(f"node_rank {node_rank} is outside 0..{nnodes - 1} for a {nnodes}-host job.")
+    args = [f"--nnodes={nnodes}", f"--node_rank={node_rank}", f"--nproc_per_node={nproc}", "--rdzv_backend=c10d",
+            f"--rdzv_endpoint={rdzv_endpoint}", f"--rdzv_id={rdzv_id}"]
+    if is_host is not None:
+        args.append(f"--rdzv_conf=is_host={str(is_host).lower()}")
+    return args
+
+
 def run_torchrun(script: str | Path, job_file: str | Path, *, nproc: int = 0, log_dir: str | Path | None = None,
-                 timeout_s: float | None = None) -> None:
+                 timeout_s: float | None = None, nnodes: int = 1, node_rank: int = 0,
+                 rdzv_endpoint: str | None = None, rdzv_id: str = "freetune", is_host: bool | None = None) -> None:
     """torchrun --standalone --nproc_per_node=N script job_file; raise with the failing rank's error.
 
     nproc: 0 means one process per visible GPU (one on a CPU-only machine). Ranks beyond 0 log to files only.
+    nnodes > 1: this host's share of a multi-host job (see rendezvous_args); every host runs the same call with
+    its own node_rank, and the job fails on every host when one host's ranks die.
     """
     gpus = visible_gpus()
     nproc = nproc or max(gpus, 1)
@@ -59,12 +86,16 @@ def run_torchrun(script: str | Path, job_file: str | Path, *, nproc: int = 0, lo
                             f"to 0 (one per GPU) or at most {gpus}.")
     log_dir = Path(log_dir or Path(job_file).parent / "torchrun_logs")
     log_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           # Every rank's output goes to files; rank 0's is also echoed here, live.
+    placement = rendezvous_args(nproc=nproc, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
+                                rdzv_id=rdzv_id, is_host=is_host)
+    cmd = [sys.executable, "-m", "torch.distributed.run", *placement,
+           # Every rank's output goes to files; local rank 0's is also echoed here, live.
            "--log-dir", str(log_dir), "--tee", "3", "--local-ranks-filter", "0",
            str(script), str(job_file)]
     where = f"{nproc} GPU(s)" if gpus else f"{nproc} CPU process(es), gloo backend"
-    print(f"Launching: torchrun --standalone --nproc_per_node={nproc} {Path(script).name}  ({where})", flush=True)
+    if nnodes > 1:
+        where += f" on this host, node {node_rank} of {nnodes}"
+    print(f"Launching: torchrun {' '.join(placement)} {Path(script).name}  ({where})", flush=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     started = time.time()
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
@@ -82,8 +113,10 @@ def run_torchrun(script: str | Path, job_file: str | Path, *, nproc: int = 0, lo
             raise
     if code != 0:
         rank, error = failing_rank_error(log_dir)
-        raise FreetuneError(f"The torchrun job failed (exit code {code}); rank {rank} reported:\n{error}")
-    print(f"All {nproc} ranks finished in {time.time() - started:.0f} s.", flush=True)
+        who = f"rank {rank}" if nnodes <= 1 else f"local rank {rank} of this host (node_rank {node_rank})"
+        raise FreetuneError(f"The torchrun job failed (exit code {code}); {who} reported:\n{error}")
+    ranks = f"All {nproc} ranks" if nnodes <= 1 else f"This host's {nproc} rank(s) of a {nnodes}-host job"
+    print(f"{ranks} finished in {time.time() - started:.0f} s.", flush=True)
 
 
 def failing_rank_error(log_dir: str | Path) -> tuple[str, str]:

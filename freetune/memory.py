@@ -272,9 +272,16 @@ def loss_head_bytes(shape: ModelShape, tokens: int, *, compute_dtype: str = "bfl
 def estimate(shape: ModelShape, *, max_length: int, micro_batch: int, lora_rank: int = 16,
              lora_targets: str | list[str] = "all-linear", gradient_checkpointing: bool = True,
              optimizer: str = "paged_adamw_8bit", compute_dtype: str = "bfloat16", device: str = "cuda",
-             world_size: int = 1, double_quant: bool = True, loss_head: str = "chunked") -> MemoryEstimate:
+             world_size: int = 1, double_quant: bool = True, loss_head: str = "chunked",
+             shards: int = 1) -> MemoryEstimate:
     """Peak memory of one training step at micro_batch rows of max_length tokens (every row padded to it: the
-    worst batch of a run decides whether it fits)."""
+    worst batch of a run decides whether it fits).
+
+    shards > 1: FSDP over that many GPUs (freetune.model's FSDP path): weights, LoRA gradients and optimizer state
+    are split between them, the non-4-bit weights stay in the compute dtype (FSDP needs one dtype per wrapped
+    unit, so they are not upcast to fp32), and each GPU also holds what FSDP gathers to compute: the root unit
+    (embeddings, lm_head, final norm) and two decoder layers (the one running and the one prefetched).
+    """
     tokens = micro_batch * max_length
     weights_4bit = shape.quantized_params * NF4_BYTES_PER_PARAM[double_quant]
     # prepare_model_for_kbit_training casts every non-4-bit parameter to fp32, whatever dtype it loaded in.
@@ -284,6 +291,12 @@ def estimate(shape: ModelShape, *, max_length: int, micro_batch: int, lora_rank:
     lora = trainable * (4 + 4 + (4 if world_size > 1 else 0))
     state_bytes = OPTIMIZER_STATE_BYTES.get(optimizer.lower(), 8)  # unknown optimizers: AdamW's 8, the safe side
     optimizer_state = trainable * state_bytes
+    if shards > 1:
+        width = 2 if _is_16bit(compute_dtype) else 4
+        weights_4bit = weights_4bit / shards + 2 * weights_4bit / shape.layers
+        other_weights = shape.other_params * width  # the root unit, gathered for the whole step
+        lora = trainable * (4 + 4) / shards
+        optimizer_state = optimizer_state / shards
     activations = tokens * activation_bytes_per_token(shape, lora_rank=lora_rank, lora_targets=lora_targets,
                                                       gradient_checkpointing=gradient_checkpointing,
                                                       compute_dtype=compute_dtype)
@@ -293,7 +306,8 @@ def estimate(shape: ModelShape, *, max_length: int, micro_batch: int, lora_rank:
     total = allocated * ALLOCATOR_SLACK + CUDA_CONTEXT_GIB * GIB if on_gpu else allocated
     settings = dict(model=shape.name, max_length=max_length, micro_batch=micro_batch, lora_rank=lora_rank,
                     lora_targets=lora_targets, gradient_checkpointing=gradient_checkpointing, optimizer=optimizer,
-                    compute_dtype=compute_dtype, device=device, world_size=world_size, loss_head=loss_head)
+                    compute_dtype=compute_dtype, device=device, world_size=world_size, loss_head=loss_head,
+                    shards=shards)
     return MemoryEstimate(
         weights_4bit_gib=weights_4bit / GIB, other_weights_gib=other_weights / GIB, lora_gib=lora / GIB,
         optimizer_gib=optimizer_state / GIB, activations_gib=activations / GIB, loss_head_gib=head / GIB,
@@ -305,7 +319,7 @@ def fit(shape: ModelShape, budget_gib: float, *, max_length: int = 1024, lora_ra
         lora_targets: str | list[str] = "all-linear", gradient_checkpointing: bool = True,
         optimizer: str = "paged_adamw_8bit", compute_dtype: str = "bfloat16", device: str = "cuda",
         world_size: int = 1, max_micro_batch: int = 16, min_length: int = 256,
-        loss_head: str = "chunked") -> tuple[int, int, MemoryEstimate, str]:
+        loss_head: str = "chunked", shards: int = 1) -> tuple[int, int, MemoryEstimate, str]:
     """The largest micro-batch (a power of two up to max_micro_batch) that fits budget_gib at max_length.
 
     Returns (micro_batch, max_length, estimate, reason). If even one row of max_length tokens does not fit,
@@ -315,7 +329,8 @@ def fit(shape: ModelShape, budget_gib: float, *, max_length: int = 1024, lora_ra
     def at(batch: int, length: int) -> MemoryEstimate:
         est = estimate(shape, max_length=length, micro_batch=batch, lora_rank=lora_rank, lora_targets=lora_targets,
                        gradient_checkpointing=gradient_checkpointing, optimizer=optimizer,
-                       compute_dtype=compute_dtype, device=device, world_size=world_size, loss_head=loss_head)
+                       compute_dtype=compute_dtype, device=device, world_size=world_size, loss_head=loss_head,
+                       shards=shards)
         est.budget_gib = budget_gib
         return est
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from freetune.errors import FreetuneError
+from freetune.fast import VARLEN_ATTENTION, register_attention
 from freetune.preflight import Plan
 
 
@@ -79,9 +80,11 @@ def cap_gpu_memory(cap_gib: float, device: int = 0) -> None:
     print(f"GPU memory capped at {cap_gib:.2f} of {total:.1f} GiB (emulating a smaller card)", flush=True)
 
 
-def load_base_model(model_id: str, plan: Plan, *, local_rank: int = 0, gradient_checkpointing: bool = True,
+def load_base_model(model_id: str, plan: Plan, *, local_rank: int = 0, gradient_checkpointing: bool | None = None,
                     quantize: bool = True, memory_cap_gib: float = 0.0):
-    """The base model in 4-bit NF4 (double quantisation), prepared for k-bit training on this rank's device."""
+    """The base model in 4-bit NF4 (double quantisation), prepared for k-bit training on this rank's device.
+
+    gradient_checkpointing: None follows the plan."""
     import torch
     from peft import prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
@@ -89,15 +92,29 @@ def load_base_model(model_id: str, plan: Plan, *, local_rank: int = 0, gradient_
     _check_model_source(model_id)
     if memory_cap_gib and plan.device == "cuda":
         cap_gpu_memory(memory_cap_gib, local_rank)
+    if gradient_checkpointing is None:
+        gradient_checkpointing = plan.gradient_checkpointing
+    if plan.attn_implementation == VARLEN_ATTENTION:
+        register_attention()  # transformers must know the name before from_pretrained
     # The non-quantised weights load in the compute dtype (fp16 on a T4 whatever the config says).
     kwargs = dict(dtype=plan.torch_dtype, attn_implementation=plan.attn_implementation)
+    fsdp = plan.layout == "fsdp"
     if quantize:
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=plan.torch_dtype,
-            bnb_4bit_quant_storage=torch.uint8,
+            # FSDP shards floating-point tensors only, and flattens one dtype per wrapped decoder layer: the packed
+            # 4-bit weights are stored in the compute dtype (same bytes, 2 or 4 weights per element) so that
+            # they shard beside the layer's norms. uint8 storage fails there ("Integer parameters are unsupported")
+            # or, under FSDP2, silently loses the quantisation state (accelerate issue #3983).
+            bnb_4bit_quant_storage=plan.torch_dtype if fsdp else torch.uint8,
         )
-    if plan.device == "cuda":
+    if fsdp:
+        # Quantised models load whole on every rank (transformers skips its rank-0-only loading for them), so a
+        # model that does not fit one GPU is quantised in host memory, and FSDP then moves it to the GPU one
+        # wrapped decoder layer at a time, keeping 1/N of each. device_map must not name a GPU here.
+        kwargs["device_map"] = {"": "cpu"}
+    elif plan.device == "cuda":
         # One full copy per process on its own GPU (DDP). Never "auto"/"balanced": those split the layers
         # across GPUs, which runs them one after another, slower than one GPU.
         kwargs["device_map"] = {"": local_rank}
@@ -106,7 +123,16 @@ def load_base_model(model_id: str, plan: Plan, *, local_rank: int = 0, gradient_
     except OSError as exc:
         raise FreetuneError(f"Could not load model {model_id!r}: {str(exc)[:300]}. Check `model_id`, that this "
                             f"machine is online, and HF_TOKEN for gated models.") from exc
-    if quantize:
+    if fsdp:
+        # Not prepare_model_for_kbit_training: its fp32 upcast of norms and embeddings would mix dtypes inside
+        # a wrapped layer, which FSDP cannot flatten. The rest of what it does, done here: freeze the base, let
+        # gradients reach the checkpointed layers' inputs.
+        for param in model.parameters():
+            param.requires_grad_(False)
+        model.enable_input_require_grads()
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif quantize:
         model = prepare_model_for_kbit_training(
             model, use_gradient_checkpointing=gradient_checkpointing,
             gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -33,6 +33,7 @@ from freetune.errors import FreetuneError
 from freetune.memory import GIB, MemoryEstimate, ModelShape, estimate, fit
 
 POLICIES = ("turing", "ampere")
+LAYOUTS = ("auto", "single", "ddp", "fsdp")
 # What to pick instead of a GPU the installed PyTorch cannot run, where people meet one (Kaggle's P100).
 SUPPORTED_GPU_ADVICE = ('on Kaggle, Settings -> Accelerator -> "GPU T4 x2"; '
                         'on Colab, Runtime -> Change runtime type -> T4 GPU')
@@ -215,15 +216,17 @@ class Plan:
     device: str                 # "cuda" or "cpu"
     compute_dtype: str          # "float16" | "bfloat16" | "float32": 4-bit matmuls and non-quantised weights
     mixed_precision: str        # "fp16" | "bf16" | "no": the Trainer's autocast mode
-    attn_implementation: str    # "sdpa" | "eager" | "flash_attention_2"
+    attn_implementation: str    # "sdpa" | "eager" | "flash_attention_2" | "freetune_varlen" (freetune.fast)
     reasons: dict = field(default_factory=dict)
-    layout: str | None = None   # "single" | "ddp" | "cpu" (None: from device)
+    layout: str | None = None   # "single" | "ddp" | "fsdp" | "cpu" (None: from device)
     world_size: int = 1         # processes (one per GPU) under DDP
     micro_batch: int = 1        # rows per GPU per forward pass
     grad_accum: int = 1         # micro-batches per optimizer step
     max_length: int = 1024      # tokens per row; longer rows are cut
     lora_dtype: str = "float32"
     policy: str = ""            # "turing" | "ampere" | "cpu"
+    batching: str = "padded"    # "padding_free" | "grouped" | "padded" (freetune.fast)
+    gradient_checkpointing: bool = True  # recompute activations in the backward (chosen by memory when "auto")
     memory: MemoryEstimate | None = None
     machine: str = ""
     warnings: list = field(default_factory=list)
@@ -256,13 +259,16 @@ class Plan:
         batch += f" = {self.rows_per_step} rows/step"
         rows = [
             ("machine", self.machine or self.device, r.get("machine", "")),
-            ("layout", self.layout if self.layout != "ddp" else f"ddp x {self.world_size}", r.get("layout", "")),
+            ("layout", self.layout if self.layout not in ("ddp", "fsdp") else f"{self.layout} x {self.world_size}",
+             r.get("layout", "")),
             ("compute dtype", self.compute_dtype, r.get("compute_dtype", "")),
             ("mixed precision", self.mixed_precision, r.get("mixed_precision", "")),
             ("base weights", f"4-bit NF4, rest {self.load_dtype}", r.get("load_dtype", "")),
             ("LoRA weights", self.lora_dtype, r.get("lora_dtype", "")),
             ("attention", self.attn_implementation, r.get("attention", "")),
             ("batch", batch, r.get("batch", "")),
+            ("batching", self.batching, r.get("batching", "")),
+            ("checkpointing", "on" if self.gradient_checkpointing else "off", r.get("gradient_checkpointing", "")),
             ("max_length", str(self.max_length), r.get("max_length", "")),
         ]
         if self.memory is not None:
@@ -408,9 +414,9 @@ def _resolve_shape(model_shape) -> ModelShape | None:
 
 def make_plan(hardware: Hardware | None = None, *, model_shape: ModelShape | str | None = None,
               max_length: int = 1024, micro_batch: int | None = None, grad_accum: int = 8, lora_rank: int = 16,
-              lora_targets: str | list[str] = "all-linear", gradient_checkpointing: bool = True,
+              lora_targets: str | list[str] = "all-linear", gradient_checkpointing: bool | str = "auto",
               optimizer: str = "paged_adamw_8bit", force_policy: str | None = None, precision: str = "auto",
-              memory_budget_gib: float | None = None, loss_head: str = "chunked") -> Plan:
+              memory_budget_gib: float | None = None, loss_head: str = "chunked", layout: str = "auto") -> Plan:
     """Decide the training plan for this machine (read now unless `hardware` is given), each choice with its reason.
 
     model_shape: a ModelShape, a known name or hub id ('Qwen/Qwen2.5-Coder-1.5B-Instruct'), or a local model
@@ -419,10 +425,15 @@ def make_plan(hardware: Hardware | None = None, *, model_shape: ModelShape | str
         grad_accum rows per optimizer step into micro-batches (1 x 8 becomes 8 x 1 where memory allows: the
         same rows per step, several times the tokens per second). A number is kept, and warned about if it
         does not fit.
+    gradient_checkpointing: True / False, or "auto": off when the whole micro-batch fits the memory budget
+        without it (it recomputes every layer's forward in the backward, ~30% of a step), else on.
     force_policy / precision: 'turing' / 'fp16' or 'ampere' / 'bf16' overrides the detected GPU (benchmarks,
         the T4 path checked on a bigger GPU).
     memory_budget_gib: plan for this much GPU memory instead of the card's (e.g. a 4 GiB card emulated with
         torch.cuda.set_per_process_memory_fraction).
+    layout: "auto" chooses from the machine and the memory estimate: one GPU -> single; several GPUs -> DDP when
+        one full 4-bit copy (with one row of max_length) fits each GPU, else FSDP (the weights, gradients and
+        optimizer state sharded over the GPUs). "single", "ddp" or "fsdp" forces that choice.
     Raises FreetuneError for a GPU the installed torch cannot run, before anything is loaded.
     """
     hardware = hardware if hardware is not None else read_hardware()
@@ -431,8 +442,18 @@ def make_plan(hardware: Hardware | None = None, *, model_shape: ModelShape | str
     compute_dtype, mixed, reasons = choose_precision(policy)
     reasons["compute_dtype"] = reasons_compute
     attention, reasons["attention"] = choose_attention(hardware, policy)
-    layout, world_size, reasons["layout"] = choose_layout(hardware)
+    if layout not in LAYOUTS:
+        raise FreetuneError(f"layout must be one of {LAYOUTS}, not {layout!r}.")
+    auto_layout, world_size, reasons["layout"] = choose_layout(hardware)
     device = "cpu" if policy == "cpu" else "cuda"
+    asked = layout
+    if layout == "auto" or device == "cpu" and layout != "fsdp":
+        layout = auto_layout
+    elif layout != auto_layout:
+        reasons["layout"] = (f"{layout} as asked (layout={layout!r}), over {world_size} process(es)" if layout != "single"
+                             else "single as asked (layout='single'): one process on one GPU")
+        if layout == "single":
+            world_size = 1
     machine = hardware.summary()
     built = {g.sm for g in hardware.gpus}
     reasons["machine"] = (f"torch {hardware.torch or '?'}" + (f", CUDA {hardware.cuda}" if hardware.cuda else "")
@@ -440,6 +461,10 @@ def make_plan(hardware: Hardware | None = None, *, model_shape: ModelShape | str
 
     micro_batch = micro_batch or None
     rows_per_gpu_step = (micro_batch or 1) * grad_accum
+    checkpointing_auto = gradient_checkpointing in ("auto", None)
+    gradient_checkpointing = True if checkpointing_auto else bool(gradient_checkpointing)
+    reasons["gradient_checkpointing"] = "as given" if not checkpointing_auto else (
+        "on: no model shape to check the memory against, so the safe side")
     shape = _resolve_shape(model_shape)
     if model_shape is not None and shape is None:
         warnings.append(f"no known shape for {model_shape!r}: the memory check is skipped. Pass model_shape as a "
@@ -455,13 +480,28 @@ def make_plan(hardware: Hardware | None = None, *, model_shape: ModelShape | str
 
     memory = None
     chosen_batch, chosen_length = micro_batch or 1, max_length
+    warnings_before_memory = len(warnings)
     if shape is not None and budget:
         common = dict(lora_rank=lora_rank, lora_targets=lora_targets, gradient_checkpointing=gradient_checkpointing,
                       optimizer=optimizer, compute_dtype=compute_dtype, device=device, world_size=world_size,
                       loss_head=loss_head)
+        # Powers of two that divide the rows per step, so the accumulation stays a whole number.
+        cap = max(b for b in (1, 2, 4, 8, 16) if rows_per_gpu_step % b == 0)
+        if checkpointing_auto:
+            # A full micro-batch without recompute beats a bigger one with it only if it fits whole: batch size
+            # is worth more tokens/s than the ~30% the recompute costs, so checkpointing goes only when both hold.
+            whole = micro_batch or cap
+            bare = estimate(shape, max_length=max_length, micro_batch=whole,
+                            **{**common, "gradient_checkpointing": False})
+            bare.budget_gib = budget
+            gradient_checkpointing = not bare.fits
+            common["gradient_checkpointing"] = gradient_checkpointing
+            reasons["gradient_checkpointing"] = (
+                f"on: without it {whole} x {max_length} tokens would need ~{bare.total_gib:.1f} of {budget:.1f} GiB"
+                if gradient_checkpointing else
+                f"off: {whole} x {max_length} tokens fit without it (~{bare.total_gib:.1f} of {budget:.1f} GiB), "
+                f"which saves recomputing every layer in the backward (~30% of a step)")
         if micro_batch is None:
-            # Powers of two that divide the rows per step, so the accumulation stays a whole number.
-            cap = max(b for b in (1, 2, 4, 8, 16) if rows_per_gpu_step % b == 0)
             chosen_batch, chosen_length, memory, why = fit(shape, budget, max_length=max_length,
                                                            max_micro_batch=cap, **common)
             reasons["batch"] = f"{shape.name}: {why}"
@@ -482,11 +522,43 @@ def make_plan(hardware: Hardware | None = None, *, model_shape: ModelShape | str
                           else "lower max_length or lora_rank, or pick a smaller model or a bigger GPU")
                 warnings.append(f"micro_batch {micro_batch} x {max_length} tokens needs ~{memory.total_gib:.1f} GiB "
                                 f"({memory.breakdown()}), more than {budget:.1f} GiB: {advice}")
+        # DDP needs one full 4-bit copy per GPU plus one row of max_length; when even that does not fit and
+        # there are several GPUs, shard the model over them instead (FSDP): each holds 1/N of the weights, the
+        # LoRA gradients and the optimizer state.
+        one_row = estimate(shape, max_length=max_length, micro_batch=1, **common)
+        one_row.budget_gib = budget
+        if layout == "fsdp" or (asked == "auto" and layout == "ddp" and world_size > 1 and not one_row.fits):
+            common["shards"] = max(world_size, 1)
+            del warnings[warnings_before_memory:]  # they were about the unsharded layout
+            if micro_batch is None:
+                chosen_batch, chosen_length, memory, why = fit(shape, budget, max_length=max_length,
+                                                               max_micro_batch=cap, **common)
+            else:
+                memory = estimate(shape, max_length=max_length, micro_batch=micro_batch, **common)
+                memory.budget_gib = budget
+                why = f"micro_batch {micro_batch} as given; ~{memory.total_gib:.1f} of {budget:.1f} GiB"
+            reasons["batch"] = f"{shape.name} sharded over {world_size} GPU(s): {why}"
+            if layout != "fsdp":
+                reasons["layout"] = (f"{world_size} GPUs: FSDP, because one full copy per GPU (DDP) needs "
+                                     f"~{one_row.total_gib:.1f} GiB for one row of {max_length} tokens, more than "
+                                     f"{budget:.1f} GiB; sharded over {world_size}, ~{memory.total_gib:.1f} GiB each. "
+                                     f"torchrun --nproc_per_node={world_size}, wrapped per decoder layer")
+                layout = "fsdp"
+            if not memory.fits:
+                warnings.append(f"{shape.name} does not fit even sharded over {world_size} GPU(s): {why}")
         reasons["memory"] = f"{budget_why}; {memory.breakdown()}"
     else:
         reasons["batch"] = ("as given" if micro_batch else "1 (no model shape to size it against: give "
                             "model_shape to let the plan choose)")
     grad_accum_out = max(1, rows_per_gpu_step // chosen_batch)
+    from freetune.fast import VARLEN_ATTENTION, choose_batching
+
+    batching, batch_attention, reasons["batching"] = choose_batching(
+        policy, [g.capability for g in hardware.gpus], chosen_batch)
+    if batch_attention == VARLEN_ATTENTION:
+        attention = VARLEN_ATTENTION
+        reasons["attention"] = ("padding-free rows through PyTorch's variable-length FlashAttention "
+                                "(torch.nn.attention.varlen); anything else through sdpa")
     if world_size > 1:
         reasons["batch"] += f"; {world_size} GPUs x {chosen_batch} x {grad_accum_out} rows per optimizer step"
     reasons["max_length"] = ("as given" if chosen_length == max_length else f"lowered from {max_length} to fit")
@@ -495,7 +567,8 @@ def make_plan(hardware: Hardware | None = None, *, model_shape: ModelShape | str
     return Plan(device=device, compute_dtype=compute_dtype, mixed_precision=mixed, attn_implementation=attention,
                 reasons=reasons, layout=layout, world_size=world_size, micro_batch=chosen_batch,
                 grad_accum=grad_accum_out, max_length=chosen_length, lora_dtype="float32", policy=policy,
-                memory=memory, machine=machine, warnings=warnings)
+                memory=memory, machine=machine, warnings=warnings, batching=batching,
+                gradient_checkpointing=gradient_checkpointing)
 
 
 def _disk_warnings(hardware: Hardware, shape: ModelShape | None) -> list[str]:

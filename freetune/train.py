@@ -19,7 +19,7 @@ import os
 import time
 from pathlib import Path
 
-from freetune import checkpoint
+from freetune import checkpoint, fast
 from freetune.distributed import COLLECTIVE_TIMEOUT_S, WriteTracer, check_replicas_agree, context, print0
 from freetune.errors import FreetuneError
 from freetune.model import adapter_dtype_guard
@@ -50,12 +50,15 @@ def memory_gib() -> tuple[float, float, str]:
 def make_config(paths: Paths, plan: Plan, *, max_steps: int, micro_batch: int, grad_accum: int,
                 learning_rate: float, max_length: int, optimizer: str = "paged_adamw_8bit",
                 max_grad_norm: float = 1.0, warmup_ratio: float = 0.03, logging_steps: int = 1,
-                save_steps: int = 50, save_total_limit: int = 3, gradient_checkpointing: bool = True,
+                save_steps: int = 50, save_total_limit: int = 3, gradient_checkpointing: bool | None = None,
                 seed: int = 0, assistant_only: bool = False, num_epochs: float = 1.0):
     """An SFTConfig that follows the plan's precision and device; every knob here is a recipe parameter.
 
     save_total_limit: complete checkpoints kept (at least 2: the newest can be cut short by a disconnect while
     the one before it is what a rerun resumes from).
+    gradient_checkpointing: None follows the plan (off only when the batch fits without it).
+    The plan's batching (freetune.fast) rides along on the config: "grouped" sets the length-grouped sampler
+    here, "padding_free" switches the collator once train() has built the trainer.
     """
     import torch
     from trl import SFTConfig
@@ -71,6 +74,8 @@ def make_config(paths: Paths, plan: Plan, *, max_steps: int, micro_batch: int, g
         # bitsandbytes' paged/8-bit optimisers need CUDA; on a CPU the same run uses plain AdamW.
         print0(f"Optimizer {optimizer} needs a GPU: using adamw_torch on the CPU.")
         optimizer = "adamw_torch"
+    if gradient_checkpointing is None:
+        gradient_checkpointing = plan.gradient_checkpointing
     config = SFTConfig(
         output_dir=paths.checkpoints,
         max_steps=max_steps,
@@ -103,7 +108,11 @@ def make_config(paths: Paths, plan: Plan, *, max_steps: int, micro_batch: int, g
         ddp_find_unused_parameters=False,
         ddp_timeout=COLLECTIVE_TIMEOUT_S,
         dataloader_num_workers=0,
+        # Similar lengths in a padded batch: little padding where rows cannot be concatenated (freetune.fast).
+        train_sampling_strategy="group_by_length" if plan.batching == "grouped" else "random",
+        **fsdp_settings(plan),
     )
+    config.freetune_batching = plan.batching  # read by train(); TRL's own padding_free refuses max_length
     if plan.device == "cuda" and torch.cuda.device_count() > 1 and "LOCAL_RANK" not in os.environ:
         # One process that sees two GPUs makes the Trainer wrap the model in nn.DataParallel, which SFTTrainer
         # refuses. Inline training uses one GPU; the Kaggle notebook's torchrun cell uses them all.
@@ -112,6 +121,31 @@ def make_config(paths: Paths, plan: Plan, *, max_steps: int, micro_batch: int, g
         print0(f"{torch.cuda.device_count()} GPUs visible: this inline run uses GPU 0 only. "
                f"The torchrun (DDP) cell trains on all of them.")
     return config
+
+
+def fsdp_settings(plan: Plan) -> dict:
+    """The Trainer's FSDP settings for plan.layout == "fsdp" (empty otherwise): the model sharded over the ranks.
+
+    - FSDP1 (fsdp_config version 1): FSDP2 unshards bitsandbytes' Params4bit into plain tensors and breaks the
+      packed NF4 weights (bitsandbytes issue #1945, accelerate #3983); FSDP1 with the 4-bit weights stored in the
+      compute dtype is the path bitsandbytes and peft document. transformers warns that it is deprecated.
+    - full_shard + auto_wrap per decoder layer (the model's _no_split_modules, e.g. Qwen2DecoderLayer); the
+      Trainer adds peft's policy that wraps each LoRA layer on its own (LoRA is fp32, the layer 16-bit).
+    - use_orig_params=False: the LoRA layers are their own units, so no unit mixes frozen and trainable weights.
+    - sync_module_states + cpu_ram_efficient_loading: rank 0's weights are broadcast to every rank, so all
+      start identical (each rank still quantises its own copy: transformers loads quantised models whole).
+    - FULL_STATE_DICT: a checkpoint's adapter is gathered to rank 0 and written by it alone, the same files
+      as a DDP run's (freetune.checkpoint's complete-marker contract is unchanged).
+    """
+    if plan.layout != "fsdp":
+        return {}
+    if plan.device != "cuda":
+        raise FreetuneError("layout 'fsdp' needs GPUs: accelerate's FSDP plugin refuses a CPU run. Use layout "
+                            "'auto' (DDP over CPU processes) here, and FSDP on a machine with several GPUs.")
+    return dict(fsdp="full_shard auto_wrap", fsdp_config={
+        "version": 1, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "use_orig_params": False,
+        "sync_module_states": True, "cpu_ram_efficient_loading": True, "state_dict_type": "FULL_STATE_DICT",
+        "limit_all_gathers": True})
 
 
 class ProgressPrinter:
@@ -176,13 +210,15 @@ def train(model, tokenizer, train_dataset, config, *, paths: Paths, eval_dataset
         raise FreetuneError(f"{paths.checkpoints} holds checkpoints of an earlier run and resume is off: new ones "
                             f"would mix with them. Change run_name to start fresh, or resume.")
     stopper = checkpoint.stop_callback(budget_s, budget_text)
-    trainer = checkpoint.trainer_class(SFTTrainer)(
+    # fast.trainer_class: TRL's per-micro-batch metric syncs happen once per log step instead.
+    trainer = checkpoint.trainer_class(fast.trainer_class(SFTTrainer))(
         model=model, args=config, train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=tokenizer,
         callbacks=[adapter_dtype_guard(),  # LoRA stays fp32: TRL casts it to bf16, fatal on a T4
                    ProgressPrinter(config.max_steps), stopper, *extra_callbacks], hub=hub)
     from transformers.trainer_callback import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)  # it prints raw log dicts; ProgressPrinter prints one clean line
+    fast.apply_batching(trainer, getattr(config, "freetune_batching", "padded"))
     print0(f"Checkpoints: every {config.save_steps} steps, the last {config.save_total_limit} kept, in "
            f"{paths.checkpoints}. Time budget: {budget_text}.")
     resume_from = checkpoint.agree_on_resume(paths.checkpoints, config.max_steps, hub) if resume else None
@@ -196,7 +232,13 @@ def train(model, tokenizer, train_dataset, config, *, paths: Paths, eval_dataset
         if hub is not None:
             hub.close()
     wall = time.time() - start
-    check_replicas_agree(trainer.model)
+    sharded = bool(getattr(config, "fsdp", None))
+    if sharded:
+        # FSDP keeps one copy of the adapter, split over the ranks: there are no replicas to compare (each rank's
+        # shard differs by design), and gathering the whole model to compare would undo the sharding.
+        print0("FSDP: one adapter, sharded over the ranks; it is gathered to rank 0 for the save below.")
+    else:
+        check_replicas_agree(trainer.model)
 
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     tokens = max((h.get("num_tokens", 0) for h in trainer.state.log_history), default=0)
@@ -217,8 +259,12 @@ def train(model, tokenizer, train_dataset, config, *, paths: Paths, eval_dataset
         "world_size": trainer.args.world_size,
         "adapter": paths.adapter,
     }
-    if trainer.is_world_process_zero():
+    if sharded:
+        # Gathering the adapter is a collective: every rank takes part, the Trainer writes on rank 0 only.
         trainer.save_model(paths.adapter)
+    if trainer.is_world_process_zero():
+        if not sharded:
+            trainer.save_model(paths.adapter)
         tokenizer.save_pretrained(paths.adapter)
         reports = Path(paths.reports)
         (reports / HISTORY_FILE).write_text(json.dumps(trainer.state.log_history, indent=1))

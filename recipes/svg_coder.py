@@ -39,7 +39,7 @@ lora_dropout: float = 0.05  # regularises small data sets; 0 for large ones
 lora_targets: str = "all-linear"  # which layers get an adapter; all linear layers learns best per parameter
 optimizer: str = "paged_adamw_8bit"  # 8-bit paged AdamW: a quarter of AdamW's state memory (GPU only)
 max_grad_norm: float = 1.0  # gradient clipping; lower (0.3) steadies small batches
-gradient_checkpointing: bool = True  # recompute activations in backward: ~30% slower, far less memory
+gradient_checkpointing: bool | str = "auto"  # recompute activations in backward: ~30% slower, far less memory; "auto": on unless the batch fits without
 precision: str = "auto"  # "auto" picks from the GPU; "fp16" forces the T4 policy, "bf16" the Ampere+ one
 save_steps: int = 50  # checkpoint every N steps, so a lost session resumes instead of restarting
 time_budget_min: float = 0  # stop and save a checkpoint after this many minutes; 0: 1 h before the platform's limit (Colab/Kaggle 12 h), none locally
@@ -122,7 +122,7 @@ dist = freetune.distributed.init()
 train_rows, held_out = freetune.data.load_prepared(paths.data)
 tokenizer = freetune.model.load_tokenizer(model_id)
 model = freetune.model.load_base_model(model_id, plan, local_rank=dist.local_rank,
-                                       gradient_checkpointing=gradient_checkpointing)
+                                       gradient_checkpointing=plan.gradient_checkpointing)
 model, trainable, total = freetune.model.attach_lora(model, rank=lora_rank, alpha=lora_alpha,
                                                      dropout=lora_dropout, target_modules=lora_targets, seed=seed)
 freetune.distributed.print_layout(dist, plan.micro_batch, plan.grad_accum, trainable, total)
@@ -136,7 +136,7 @@ freetune.distributed.print_layout(dist, plan.micro_batch, plan.grad_accum, train
 config = freetune.train.make_config(
     paths, plan, max_steps=max_steps, micro_batch=plan.micro_batch, grad_accum=plan.grad_accum,
     learning_rate=learning_rate, max_length=plan.max_length, optimizer=optimizer, max_grad_norm=max_grad_norm,
-    logging_steps=logging_steps, save_steps=save_steps, gradient_checkpointing=gradient_checkpointing,
+    logging_steps=logging_steps, save_steps=save_steps, gradient_checkpointing=plan.gradient_checkpointing,
     seed=seed, assistant_only="messages" in train_rows.column_names,
 )
 summary = freetune.train.train(model, tokenizer, train_rows, config, paths=paths,

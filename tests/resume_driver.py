@@ -156,7 +156,8 @@ def main() -> None:
                   data=f"{run_dir}/data", reports=f"{run_dir}/reports")
     if ctx.is_main:
         paths.make()
-    plan = Plan(device="cpu", compute_dtype="float32", mixed_precision="no", attn_implementation="sdpa")
+    plan = Plan(device="cpu", compute_dtype="float32", mixed_precision="no", attn_implementation="sdpa",
+                layout=job.get("layout"))  # "fsdp": the sharded path (tests/test_multihost.py), else DDP/single
     tokenizer = freetune.model.load_tokenizer(job["model_dir"])
     # LoRA's A matrices are drawn from torch's global RNG when the adapter is attached, before the Trainer seeds
     # anything: without this, two fresh runs start from different adapters (a resumed run reads them back).

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 import resume_driver
+from proctree import process_tree, send_signal
 
 DRIVER = Path(resume_driver.__file__)
 STEPS, DDP_STEPS, SAVE_STEPS, KEEP = 24, 12, 2, 2
@@ -94,11 +95,11 @@ class Run:
         sessions of their own, so a process-group kill would miss them)."""
         stopped = set()
         for _ in range(3):  # a process may have been spawned between listing and stopping
-            for pid in _process_tree(self.pid) - stopped:
-                _signal(pid, signal.SIGSTOP)
+            for pid in process_tree(self.pid) - stopped:
+                send_signal(pid, signal.SIGSTOP)
                 stopped.add(pid)
         for pid in stopped:
-            _signal(pid, signal.SIGKILL)
+            send_signal(pid, signal.SIGKILL)
         self.finish()
 
     def finish(self) -> int:
@@ -130,30 +131,6 @@ def _forkserver():
         context.set_forkserver_preload(resume_driver.PRELOAD)
         _FORKSERVER.append(context)
     return _FORKSERVER[0]
-
-
-def _process_tree(root: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(parent, []).append(int(stat.parent.name))
-    tree, todo = set(), [root]
-    while todo:
-        pid = todo.pop()
-        if pid not in tree:
-            tree.add(pid)
-            todo += children.get(pid, [])
-    return tree
-
-
-def _signal(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def summary_of(text: str) -> dict:
@@ -322,7 +299,7 @@ def run_event(event: tuple, run: Run, checkpoints: Path, start_step: int, pid_di
     if kind == "sigterm_rank1":  # one rank alone is told to stop: both must agree on the step and save
         target = start_step + event[1]
         assert run.wait_for(lambda: f"step {target:>5}/" in run.text()), run.text()[-2000:]
-        _signal(int((pid_dir / "rank1.pid").read_text()), signal.SIGTERM)
+        send_signal(int((pid_dir / "rank1.pid").read_text()), signal.SIGTERM)
         assert run.finish() == 0, run.text()[-3000:]
         stop = summary_of(run.text())
         assert stop["stopped_early"] == "SIGTERM received" and stop["steps"] < stop["max_steps"]
@@ -389,7 +366,7 @@ def test_sigterm_and_time_budget_each_stop_with_a_complete_checkpoint(tmp_path, 
 
     run = Run(write_job(tmp_path, "sigterm", tiny_model_dir, run_dir, STEPS), tmp_path / "sigterm.log")
     assert run.wait_for(lambda: "step     3/" in run.text())
-    _signal(run.pid, signal.SIGTERM)
+    send_signal(run.pid, signal.SIGTERM)
     assert run.finish() == 0, run.text()[-3000:]
     first = summary_of(run.text())
     assert first["stopped_early"] == "SIGTERM received" and 3 <= first["steps"] < STEPS
@@ -424,7 +401,7 @@ def test_hub_sync_uploads_complete_checkpoints_and_a_new_session_resumes_from_th
 
     run = Run(job, tmp_path / "first.log", env=env)
     assert run.wait_for(lambda: "step     5/" in run.text())
-    _signal(run.pid, signal.SIGTERM)  # the session ends; the final checkpoint must still reach the Hub
+    send_signal(run.pid, signal.SIGTERM)  # the session ends; the final checkpoint must still reach the Hub
     assert run.finish() == 0, run.text()[-3000:]
     stop = summary_of(run.text())["steps"]
     first_output = run.text()

@@ -1,0 +1,267 @@
+"""The fast default training path: more real tokens per kernel launch, fewer host round trips, same loss.
+
+What the plain stack (TRL's SFTTrainer, batch 1 x accumulation 8, padded batches) wastes, and what is done
+about it here (issue 8 has the measurements):
+- Padding. A batch of rows of 300-1,200 tokens padded to its longest row is ~30% pad tokens, each costing a
+  full forward and backward. `padding_free`: the micro-batch's rows are concatenated into one sequence with
+  position_ids restarting at 0 per row (TRL's collator does this and adds the row boundaries, cu_seq_lens).
+  transformers (masking_utils.find_packed_sequence_indices) turns restarting position_ids into a
+  block-diagonal causal mask, so no token attends across rows: the loss is the same as with padding.
+  Where the attention kernel would have to compute that mask densely over the whole packed row (a T4, or no
+  variable-length kernel), `grouped` is chosen instead: padded batches of similar lengths
+  (transformers' LengthGroupedSampler), which keeps the padding small and the rows apart.
+- The attention kernel. On sm80+ the packed rows go through PyTorch's variable-length FlashAttention
+  (torch.nn.attention.varlen.varlen_attn, given TRL's cu_seq_lens): each row attends only to itself, no
+  mask is built into the kernel and nothing is computed across rows. It is checked against PyTorch's sdpa
+  once per process (`varlen_works`) before the plan picks it; anywhere else the same registered attention
+  falls back to sdpa with transformers' block-diagonal mask (correct; tests/test_fast_path.py runs it on a CPU).
+- Host round trips. TRL's compute_loss calls .item() and gathers across ranks three times per micro-batch
+  for its entropy / token-accuracy / token-count metrics: a device sync each time, which serialises the
+  CPU with the GPU, and under DDP three extra collectives per micro-batch. `trainer_class` keeps the same
+  sums on the GPU and reads them once per log step (same values in the log, a fraction of the syncs).
+- The micro-batch (freetune.preflight.make_plan) and gradient checkpointing (dropped when the plan's memory
+  estimate fits the full batch without it: the recompute costs ~30% of the step).
+- The loss head: TRL (>= 1.x) already scores tokens in tiles and never holds the (tokens x vocabulary) logits;
+  nothing to add (Liger's fused linear cross-entropy is refused by TRL 1.16, which patches the same forward).
+
+The loss stays the same: TRL divides the summed token losses of an optimizer step by the number of label
+tokens in that step (num_items_in_batch), however the rows are split into micro-batches or concatenated.
+tests/test_fast_path.py checks it against the plain path on the same rows.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+VARLEN_ATTENTION = "freetune_varlen"  # the name registered with transformers' AttentionInterface
+BATCHING = ("padding_free", "grouped", "padded")
+
+
+# ---------------------------------------------------------------------------------------------- attention --
+
+def _varlen_fn():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # torch < 2.10
+        return None
+    return varlen_attn
+
+
+def _varlen_call(q, k, v, cu_seq, max_len: int, scale):
+    """Causal variable-length attention on (tokens, heads, dim) tensors, across torch versions' signatures."""
+    fn = _varlen_fn()
+    params = inspect.signature(fn).parameters
+    kwargs = {}
+    if "is_causal" in params:       # torch 2.10/2.11
+        kwargs["is_causal"] = True
+    else:                           # later: causal is a (-1, 0) window
+        kwargs["window_size"] = (-1, 0)
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:  # grouped-query attention without kernel support: repeat the kv heads (a copy per layer)
+            groups = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    if scale is not None and "scale" in params:
+        kwargs["scale"] = scale
+    return fn(q, k, v, cu_seq, cu_seq, max_len, max_len, **kwargs)
+
+
+def varlen_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                             is_causal=None, **kwargs):
+    """transformers attention function: varlen FlashAttention for a padding-free batch on a GPU where it was
+    checked, sdpa (with transformers' mask, block-diagonal for packed rows) for everything else."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    cu = kwargs.get("cu_seq_lens_q")
+    if (cu is not None and query.is_cuda and query.shape[0] == 1 and dropout == 0.0
+            and query.dtype in _16BIT() and varlen_works(query.device.index or 0)[0]):
+        q = query[0].transpose(0, 1)  # (batch 1, heads, tokens, dim) -> (tokens, heads, dim)
+        k = key[0].transpose(0, 1)
+        v = value[0].transpose(0, 1)
+        max_len = kwargs.get("max_length_q") or int(cu.diff().max())
+        out = _varlen_call(q, k, v, cu.to(device=q.device, dtype=_int32()), int(max_len), scaling)
+        return out.unsqueeze(0), None  # (1, tokens, heads, dim), as sdpa_attention_forward returns
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  is_causal=is_causal, **kwargs)
+
+
+def _16BIT():
+    import torch
+
+    return (torch.float16, torch.bfloat16)
+
+
+def _int32():
+    import torch
+
+    return torch.int32
+
+
+def register_attention() -> str:
+    """Register freetune's attention with transformers (idempotent); returns its attn_implementation name.
+
+    Its mask is sdpa's: correct for padded, packed and plain batches alike (the varlen kernel ignores it)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(VARLEN_ATTENTION, varlen_attention_forward)
+    AttentionMaskInterface.register(VARLEN_ATTENTION, sdpa_mask)
+    return VARLEN_ATTENTION
+
+
+@functools.cache
+def varlen_works(device_index: int = 0) -> tuple[bool, str]:
+    """(usable, why): run torch's varlen attention forward and backward on two short rows with grouped-query
+    heads and compare with sdpa row by row; any error or mismatch means no (the plan then groups by length)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False, "no CUDA"
+    if _varlen_fn() is None:
+        return False, f"torch {torch.__version__} has no torch.nn.attention.varlen (needs >= 2.10)"
+    major, minor = torch.cuda.get_device_capability(device_index)
+    if major < 8:
+        return False, f"sm_{major}{minor}: PyTorch's FlashAttention kernels need sm80+"
+    try:
+        device = torch.device("cuda", device_index)
+        gen = torch.Generator(device=device).manual_seed(0)
+        lengths, heads, kv_heads, dim = [37, 91], 4, 2, 64
+        total = sum(lengths)
+        dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        # The model hands over (1, heads, tokens, dim) views; probe the same layout.
+        q = torch.randn(1, heads, total, dim, device=device, dtype=dtype, generator=gen).requires_grad_()
+        k = torch.randn(1, kv_heads, total, dim, device=device, dtype=dtype, generator=gen).requires_grad_()
+        v = torch.randn(1, kv_heads, total, dim, device=device, dtype=dtype, generator=gen).requires_grad_()
+        cu = torch.tensor([0, lengths[0], total], device=device, dtype=torch.int32)
+        out = _varlen_call(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, max(lengths),
+                           dim ** -0.5)
+        out.float().square().sum().backward()
+        got = (out.detach().float(), q.grad.float(), k.grad.float())
+        q.grad = k.grad = v.grad = None
+        refs = []
+        for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            kk = k[:, :, start:end].repeat_interleave(heads // kv_heads, dim=1)
+            vv = v[:, :, start:end].repeat_interleave(heads // kv_heads, dim=1)
+            refs.append(torch.nn.functional.scaled_dot_product_attention(
+                q[:, :, start:end], kk, vv, is_causal=True).transpose(1, 2)[0])
+        ref = torch.cat(refs, dim=0)
+        ref.float().square().sum().backward()
+        want = (ref.detach().float(), q.grad.float(), k.grad.float())
+        for name, a, b in zip(("output", "dq", "dk"), got, want):
+            err = (a - b).abs().max().item() / max(b.abs().max().item(), 1e-6)
+            if err > 2e-2:
+                return False, f"varlen attention disagrees with sdpa ({name} relative error {err:.3f})"
+    except Exception as exc:  # noqa: BLE001 - any failure of the probe means: do not use it
+        return False, f"varlen attention failed its check: {type(exc).__name__}: {str(exc)[:160]}"
+    return True, "checked against sdpa (forward and backward)"
+
+
+def choose_batching(policy: str, gpus_capability: list[tuple[int, int]], micro_batch: int) -> tuple[str, str, str]:
+    """(batching, attn_implementation or "" to keep the plan's, why) for a policy ('turing', 'ampere', 'cpu')."""
+    if micro_batch <= 1:
+        return "padded", "", "one row per forward pass: nothing to pad"
+    if policy == "cpu":
+        # A CPU run is a check, not a training run: it keeps the plain stack's batches, so its losses can be
+        # compared with the plain stack's row for row (LoRA dropout draws other masks for a packed row). On a
+        # CPU sdpa would also compute a packed row's dense block-diagonal mask in full, as on a T4.
+        return "padded", "", "a CPU run is a check: the plain stack's padded batches, same rows, same dropout draws"
+    if policy == "ampere" and gpus_capability and all(c >= (8, 0) for c in gpus_capability):
+        import torch
+
+        # This process's GPU (under torchrun, LOCAL_RANK's): probing GPU 0 from every rank would put a CUDA
+        # context on it for each of them.
+        ok, why = varlen_works(torch.cuda.current_device() if torch.cuda.is_available() else 0)
+        if ok:
+            return ("padding_free", VARLEN_ATTENTION,
+                    "rows concatenated, no pad tokens; variable-length FlashAttention keeps them apart "
+                    f"({why})")
+        return ("grouped", "", f"padded batches of similar length, little padding (no padding-free kernel: {why})")
+    return ("grouped", "", "padded batches of similar length, little padding: a T4 has no variable-length "
+                           "FlashAttention, and a packed row's dense mask would cost more than the padding")
+
+
+# ------------------------------------------------------------------------------------------------ trainer --
+
+def apply_batching(trainer, batching: str) -> None:
+    """Switch an SFTTrainer's collator to padding-free. TRL refuses padding_free=True with max_length at
+    construction (its check predates its own truncation step), yet truncates rows to max_length during dataset
+    preparation whenever packing is off: so the trainer is built padded, with rows truncated, and only the
+    collator is switched. "grouped" is set in the config (train_sampling_strategy)."""
+    if batching != "padding_free":
+        return
+    collator = trainer.data_collator
+    if not hasattr(collator, "padding_free"):
+        raise TypeError(f"padding-free batching needs TRL's DataCollatorForLanguageModeling, not {type(collator)}")
+    collator.padding_free = True
+    trainer.padding_free = True
+
+
+def trainer_class(base):
+    """`base` (TRL's SFTTrainer or a subclass) with the per-micro-batch metric syncs moved to log steps."""
+    import torch
+
+    class FastMetricsTrainer(base):
+        _sums = None  # device tensor: label tokens, entropy sum, top-1 hits, real input tokens (padded batches)
+        _host = (0, 0)  # counts known without asking the GPU: real tokens of padding-free batches, computed tokens
+
+        def _fast_loss_applies(self) -> bool:
+            pc = getattr(self.accelerator, "parallelism_config", None)
+            return (self.model.training and self.compute_loss_func is None and self.label_smoother is None
+                    and self.args.loss_type == "nll" and not self.aux_loss_enabled
+                    and not (pc is not None and getattr(pc, "sp_enabled", False)))
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            if not self._fast_loss_applies():
+                return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                            num_items_in_batch=num_items_in_batch)
+            # TRL's own nll branch, line for line, without its .item() calls and gathers.
+            inputs["use_cache"] = False
+            outputs = model(**inputs, fused_lm_head=True)
+            per_token_loss = -outputs.log_probs  # zero on ignored positions
+            num_tokens = outputs.label_mask.sum() if num_items_in_batch is None else num_items_in_batch
+            loss = per_token_loss.sum() / torch.as_tensor(num_tokens).clamp(min=1)
+            if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+                loss = loss * (self.accelerator.num_processes // self.get_tp_size())
+            with torch.no_grad():
+                # No torch.tensor(python number, device=cuda) here: a host-to-device copy waits for the GPU too.
+                padded = "attention_mask" in inputs
+                seen = inputs["attention_mask"].sum() if padded else outputs.label_mask.new_zeros(())
+                sums = torch.stack([outputs.label_mask.sum().float(), outputs.entropy.detach().sum().float(),
+                                    outputs.is_top1.sum().float(), seen.float()])
+                self._sums = sums if self._sums is None else self._sums + sums
+                host_seen = 0 if padded else inputs["position_ids"].size(1)
+                self._host = (self._host[0] + host_seen, self._host[1] + inputs["input_ids"].numel())
+            return (loss, outputs) if return_outputs else loss
+
+        def log(self, logs, start_time=None):
+            if self._sums is not None and self.model.training:
+                # One gather and one device sync per log step, instead of four per micro-batch.
+                sums = torch.cat([self._sums, self._sums.new_tensor(self._host)])  # one small copy per log step
+                if self.accelerator.num_processes > 1:
+                    sums = self.accelerator.reduce(sums, reduction="sum")
+                valid, entropy, correct, seen_padded, seen_free, computed = sums.tolist()
+                seen = seen_padded + seen_free
+                self._sums, self._host = None, (0, 0)
+                self._total_train_tokens += int(seen) // self._tp_size
+                metrics = self._metrics["train"]
+                metrics["entropy"] = [entropy / valid if valid > 0 else 0.0]
+                metrics["mean_token_accuracy"] = [correct / valid if valid > 0 else 0.0]
+                metrics["num_tokens"] = [self._total_train_tokens]
+                # Share of the tokens run through the model that were padding (0 when padding-free).
+                metrics["pad_fraction"] = [1 - seen / computed if computed else 0.0]
+            return super().log(logs, start_time)
+
+    return FastMetricsTrainer
+
+
+def padding_stats(batch) -> dict:
+    """Real and pad tokens of one collated batch (what a forward pass computes on)."""
+    ids = batch["input_ids"]
+    computed = int(ids.numel())
+    if "attention_mask" in batch:
+        real = int(batch["attention_mask"].sum())
+    else:  # padding-free: one row; the right padding (only with pad_to_multiple_of) has position 0 runs
+        real = computed
+    return {"computed_tokens": computed, "real_tokens": real, "pad_tokens": computed - real}

@@ -1,0 +1,440 @@
+"""Side-by-side training throughput: the plain TRL stack against freetune's default path (issue 8).
+
+On one model shape, the same synthetic SFT rows (random token ids, 300-1,200 tokens each, cut at 1,024) and the
+same LoRA (rank 16, all linear layers, NF4 base), three runs per mode:
+  free_tier   the usual free-tier recipe on the plain stack: TRL's SFTTrainer as it comes, batch 1 x
+              accumulation 8, gradient checkpointing, paged 8-bit AdamW;
+  plain_best  the plain stack at the best setting the same memory cap allows: the micro-batch and checkpointing
+              freetune's plan picks for that cap, but padded batches, sdpa and TRL's own per-step metrics;
+  freetune    freetune's default path: make_plan (micro-batch, checkpointing, batching, attention) ->
+              freetune.model -> freetune.train.train.
+Modes (each run in fresh processes, one at a time, so the memory cap, the peak counters and the host's CPUs
+belong to one run; --parallel runs two single-GPU runs at once, one per GPU, faster but skewed):
+  uncapped    Qwen2.5-1.5B shape, bf16, the whole GPU;
+  t4          Qwen2.5-1.5B shape under a 14.5 GiB cap (torch.cuda.set_per_process_memory_fraction) and the T4's
+              fp16 policy (precision="fp16": fp16 autocast with loss scaling, no FlashAttention-only kernels);
+  4gb         TinyLlama-1.1B shape under a 4 GiB cap, fp16 policy.
+With 2 GPUs the uncapped free_tier and freetune runs are repeated under torchrun (DDP) for the scaling efficiency.
+
+Reported per run: non-padding tokens/s (tokens of real rows through the model per second, every rank),
+optimizer-step time, peak allocated and reserved GiB (torch's counters, rank 0), and MFU: 6N and 4N FLOPs per
+token (N = the matmul weights a token passes: decoder linear layers + lm_head; 4N is what LoRA on a frozen base
+needs, no weight gradients; attention's own FLOPs and checkpointing's recompute are not counted) against the
+bf16 matmul rate this script measures on the GPU.
+
+Usage (GPU machine):  python scripts/bench.py --out reports/gpu/bench.json   (~12 min on two H200s; split it
+                      with --modes uncapped / --modes t4,4gb --no-ddp to fit 10-minute calls)
+CPU smoke test:       python scripts/bench.py --tiny --out /tmp/bench.json   (tiny shape, a few steps, no caps)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from freetune.memory import KNOWN_SHAPES, ModelShape  # noqa: E402
+
+ROWS_PER_STEP = 8  # per GPU: batch 1 x accumulation 8 in the free-tier recipe
+LORA_RANK = 16
+TINY_SHAPE = ModelShape("tiny", hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, vocab=1024,
+                        tied_embeddings=True, attention_bias=True)
+ARCHITECTURE = {"Qwen2.5-1.5B": "qwen2", "TinyLlama-1.1B": "llama", "tiny": "qwen2"}
+MODES = {
+    "uncapped": dict(shape="qwen2.5-1.5b", cap_gib=0.0, precision="auto"),
+    "t4": dict(shape="qwen2.5-1.5b", cap_gib=14.5, precision="fp16"),
+    "4gb": dict(shape="tinyllama-1.1b", cap_gib=4.0, precision="fp16"),
+}
+RUNS = ("free_tier", "plain_best", "freetune")
+
+
+def shape_of(name: str) -> ModelShape:
+    return TINY_SHAPE if name == "tiny" else KNOWN_SHAPES[name]
+
+
+def matmul_flops_per_token(shape: ModelShape) -> int:
+    """Weights a token is multiplied with once in the forward: decoder linear layers and the lm_head."""
+    return shape.quantized_params + shape.vocab * shape.hidden
+
+
+# ------------------------------------------------------------------------------------------ preparation --
+
+def build_tokenizer(out: Path) -> Path:
+    """A word-level tokenizer with pad 0 and eos 1: the rows are token ids already, the trainer needs only the
+    special tokens, and their ids must exist in every vocabulary benchmarked (TinyLlama's is 32,000)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(WordLevel({"<pad>": 0, "</s>": 1, "<unk>": 2}, unk_token="<unk>"))
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+    tok.save_pretrained(str(out))
+    return out
+
+
+def build_model(shape: ModelShape, out: Path, tokenizer_dir: Path, device: str) -> Path:
+    """A random-weight model of `shape` saved to `out` (built on the GPU when there is one: 1.5B weights
+    initialise in seconds there, minutes on a CPU)."""
+    import torch
+
+    from freetune.fixtures import build_tiny_model
+
+    if (out / "config.json").exists():
+        return out
+    overrides = dict(intermediate_size=shape.intermediate, num_attention_heads=shape.heads,
+                     num_key_value_heads=shape.kv_heads, vocab_size=shape.vocab, pad_token_id=0, eos_token_id=1,
+                     bos_token_id=1, tie_word_embeddings=shape.tied_embeddings)
+    with torch.device(device):
+        build_tiny_model(out, ARCHITECTURE[shape.name], hidden_size=shape.hidden, num_layers=shape.layers,
+                         tokenizer_dir=tokenizer_dir, **overrides)
+    return out
+
+
+def synthetic_rows(n: int, vocab: int, lengths: tuple[int, int], seed: int = 0) -> list[list[int]]:
+    """n rows of random token ids with lengths uniform in `lengths` (SFT rows are this spread, and the spread
+    is what padding wastes)."""
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(*lengths))] for _ in range(n)]
+
+
+def measure_matmul_tflops(device: str) -> dict:
+    """The GPU's dense 16-bit matmul rate, measured: 8192^3 bf16 (and fp16) products, best of a few timings."""
+    import torch
+
+    out = {}
+    n = 8192 if device == "cuda" else 512
+    for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        if device == "cpu":
+            dtype = torch.float32
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
+        for _ in range(3):
+            a @ b
+        best = float("inf")
+        for _ in range(5):
+            if device == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(10):
+                    a @ b
+                end.record()
+                torch.cuda.synchronize()
+                best = min(best, start.elapsed_time(end) / 1000 / 10)
+            else:
+                t = time.perf_counter()
+                a @ b
+                best = min(best, time.perf_counter() - t)
+        out[name if device == "cuda" else "fp32"] = 2 * n ** 3 / best / 1e12
+        if device == "cpu":
+            break
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- worker --
+
+def run_one(job: dict) -> dict:
+    """One configuration in this process (under torchrun: one rank of it). Returns the measurements."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import SFTTrainer
+
+    import freetune
+    from freetune.model import adapter_dtype_guard
+    from freetune.platform import Paths
+    from freetune.preflight import make_plan, read_hardware
+
+    ctx = freetune.distributed.init()
+    shape = shape_of(job["shape"])
+    cuda = torch.cuda.is_available()
+    warmup, measured = job["warmup"], job["steps"]
+    run_dir = Path(job["work"]) / f"{job['mode']}-{job['run']}-{job['world']}"
+    paths = Paths(platform="local", run_dir=str(run_dir), checkpoints=f"{run_dir}/checkpoints",
+                  adapter=f"{run_dir}/adapter", data=f"{run_dir}/data", reports=f"{run_dir}/reports")
+    if ctx.is_main:
+        paths.make()
+    freetune.distributed.barrier()
+
+    hardware = read_hardware(str(run_dir), str(run_dir))
+    budget = job["cap_gib"] or None
+    # The plan freetune would make for this cap: freetune runs it, plain_best borrows its micro-batch and
+    # checkpointing (the best the cap allows) but not its batching, attention or trainer.
+    plan = make_plan(hardware, model_shape=shape, max_length=job["max_length"], micro_batch=None,
+                     grad_accum=ROWS_PER_STEP, lora_rank=LORA_RANK, precision=job["precision"],
+                     memory_budget_gib=budget)
+    plain = dict(batching="padded", attn_implementation="sdpa",
+                 reasons={**plan.reasons, "batching": "plain stack: padded to the longest row of the batch",
+                          "attention": "plain stack: sdpa"})
+    if job["run"] == "free_tier":
+        plain["reasons"].update(batch="free-tier recipe", gradient_checkpointing="free-tier recipe")
+        plan = replace(plan, micro_batch=1, grad_accum=ROWS_PER_STEP, gradient_checkpointing=True, **plain)
+    elif job["run"] == "plain_best":
+        plan = replace(plan, **plain)
+    elif job.get("batching"):  # --tiny: a CPU plan keeps padded batches; smoke the GPU's padding-free path
+        plan = replace(plan, batching=job["batching"],
+                       reasons={**plan.reasons, "batching": f"{job['batching']}, as --tiny asks"})
+    if ctx.is_main:
+        print(f"== {job['mode']} / {job['run']} / {job['world']} process(es)\n{plan.table()}", flush=True)
+
+    tokenizer = AutoTokenizer.from_pretrained(job["tokenizer"])
+    rows = json.loads(Path(job["rows"]).read_text())
+    dataset = Dataset.from_dict({"input_ids": rows})
+    model = freetune.model.load_base_model(job["model"], plan, local_rank=ctx.local_rank,
+                                           memory_cap_gib=job["cap_gib"] if cuda else 0.0)
+    model, trainable, _ = freetune.model.attach_lora(model, rank=LORA_RANK, alpha=2 * LORA_RANK, dropout=0.05,
+                                                     seed=0)
+    total_steps = warmup + measured
+    config = freetune.train.make_config(
+        paths, plan, max_steps=total_steps, micro_batch=plan.micro_batch, grad_accum=plan.grad_accum,
+        learning_rate=1e-4, max_length=job["max_length"], optimizer="paged_adamw_8bit", logging_steps=1,
+        save_steps=100_000, seed=0)
+
+    class Timer(TrainerCallback):
+        """Wall time at the end of the warm-up and of the measured steps (the GPU drained at both marks)."""
+
+        def __init__(self):
+            self.marks = {}
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step in (warmup, total_steps):
+                if cuda:
+                    torch.cuda.synchronize()
+                self.marks[state.global_step] = time.perf_counter()
+
+    timer = Timer()
+    if job["run"] == "freetune":
+        freetune.train.train(model, tokenizer, dataset, config, paths=paths, resume=False, extra_callbacks=[timer])
+        history = json.loads((run_dir / "reports" / "log_history.json").read_text()) if ctx.is_main else []
+    else:
+        # The plain stack: TRL's trainer, collator and loss as they come. The fp32 LoRA guard stays: without it
+        # the fp16 (T4) runs stop with TRL's bf16 LoRA weights under fp16 AMP, the bug freetune exists to fix.
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer,
+                             callbacks=[adapter_dtype_guard(), timer])
+        trainer.train()
+        history = trainer.state.log_history
+    if not ctx.is_main:
+        freetune.distributed.cleanup()
+        return {}
+    tokens = {h["step"]: h["num_tokens"] for h in history if "num_tokens" in h}
+    pads = [h["pad_fraction"] for h in history if "pad_fraction" in h]
+    seconds = timer.marks[total_steps] - timer.marks[warmup]
+    real_tokens = tokens[total_steps] - tokens[warmup]
+    result = {
+        "mode": job["mode"], "run": job["run"], "world_size": job["world"], "model_shape": shape.name,
+        "precision": plan.mixed_precision, "cap_gib": job["cap_gib"], "max_length": job["max_length"],
+        "micro_batch": plan.micro_batch, "grad_accum": plan.grad_accum, "batching": plan.batching,
+        "gradient_checkpointing": plan.gradient_checkpointing, "attention": plan.attn_implementation,
+        "trainable_params": trainable, "measured_steps": measured, "warmup_steps": warmup,
+        "tokens": real_tokens, "seconds": round(seconds, 3), "tokens_per_s": round(real_tokens / seconds, 1),
+        "step_s": round(seconds / measured, 4),
+        "pad_fraction": round(sum(pads) / len(pads), 4) if pads else None,
+        "losses": [round(h["loss"], 4) for h in history if "loss" in h],
+    }
+    if cuda:
+        result["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
+        result["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 3)
+        result["gpu"] = torch.cuda.get_device_name(0)
+    else:
+        result["peak_rss_gib"] = round(freetune.train.memory_gib()[1], 3)
+    freetune.distributed.cleanup()
+    return result
+
+
+# ----------------------------------------------------------------------------------------- orchestrator --
+
+def launch(job: dict, gpus: list[int], log):
+    """Start one job in fresh processes on `gpus` (torchrun for several); (process, where its result lands)."""
+    job_file = Path(job["work"]) / f"job-{job['mode']}-{job['run']}-{len(gpus)}.json"
+    result_file = job_file.with_suffix(".result.json")
+    job_file.write_text(json.dumps({**job, "result": str(result_file)}))
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus)), "PYTHONUNBUFFERED": "1"}
+    if len(gpus) > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={len(gpus)}",
+               __file__, "--worker", str(job_file)]
+    else:
+        cmd = [sys.executable, __file__, "--worker", str(job_file)]
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), result_file
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=str(REPO / "reports" / "gpu" / "bench.json"), help="JSON results")
+    parser.add_argument("--work", default="/tmp/freetune_bench", help="models, rows and run folders")
+    parser.add_argument("--modes", default="uncapped,t4,4gb", help="comma-separated: " + ", ".join(MODES))
+    parser.add_argument("--no-ddp", action="store_true", help="skip the 2-GPU (torchrun) runs")
+    parser.add_argument("--budget-s", type=float, default=480, help="start no run after this many seconds")
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny shape, a few steps, no caps")
+    parser.add_argument("--parallel", action="store_true",
+                        help="single-GPU runs side by side, one per GPU: about half the wall time, but the runs then "
+                             "share the host's CPUs and their rates (and the DDP baseline) are skewed")
+    parser.add_argument("--spawn", action="store_true", help="--tiny in fresh processes, as on a GPU machine")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.worker:
+        job = json.loads(Path(args.worker).read_text())
+        result = run_one(job)
+        if result:
+            Path(job["result"]).write_text(json.dumps(result))
+        return 0
+
+    import torch
+
+    start = time.time()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
+    gpus = torch.cuda.device_count() if device == "cuda" else 0
+    tokenizer_dir = build_tokenizer(work / "tokenizer")
+    if args.tiny:
+        modes = {"cpu": dict(shape="tiny", cap_gib=0.0, precision="auto")}
+        lengths, max_length, steps = (16, 48), 40, dict(free_tier=(1, 1), plain_best=(1, 1), freetune=(1, 1))
+    else:
+        modes = {m: MODES[m] for m in args.modes.split(",")}
+        # Warm-up: the first steps grow the allocator to the batch shapes (packed lengths vary every step).
+        lengths, max_length, steps = (300, 1200), 1024, dict(free_tier=(1, 3), plain_best=(3, 10), freetune=(3, 10))
+    peak = measure_matmul_tflops(device)
+    report = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "gpus": gpus,
+              "torch": torch.__version__, "matmul_tflops": {k: round(v, 3) for k, v in peak.items()},
+              "rows": {"lengths": lengths, "max_length": max_length, "lora_rank": LORA_RANK,
+                       "rows_per_gpu_step": ROWS_PER_STEP},
+              "scheduling": "parallel (one single-GPU run per GPU at a time)" if args.parallel else "sequential",
+              "runs": []}
+    print(f"{report['device']} x {max(gpus, 1)}: matmul {report['matmul_tflops']} TFLOP/s", flush=True)
+
+    jobs = []
+    for mode, spec in modes.items():
+        shape = shape_of(spec["shape"])
+        model_dir = build_model(shape, work / f"model-{shape.name}", tokenizer_dir, device)
+        rows_file = work / f"rows-{shape.name}.json"
+        if not rows_file.exists():
+            rows_file.write_text(json.dumps(synthetic_rows(256, shape.vocab, lengths)))
+        for run in RUNS:
+            warmup, measured = steps[run]
+            jobs.append(dict(mode=mode, run=run, shape=spec["shape"], cap_gib=spec["cap_gib"],
+                             precision=spec["precision"], max_length=max_length, warmup=warmup, steps=measured,
+                             model=str(model_dir), tokenizer=str(tokenizer_dir), rows=str(rows_file),
+                             work=str(work), world=1, batching="padding_free" if args.tiny else None))
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    ddp_jobs = [] if (args.no_ddp or gpus < 2 or "uncapped" not in modes) else [
+        {**j, "world": 2} for j in jobs if j["mode"] == "uncapped" and j["run"] in ("free_tier", "freetune")]
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log_path = out.with_suffix(".log")
+
+    def record(result_file: Path, job: dict, rc: int):
+        if result_file.exists():
+            report["runs"].append(json.loads(result_file.read_text()))
+        else:
+            report["runs"].append({k: job[k] for k in ("mode", "run", "world")} | {"failed": f"exit {rc}"})
+        summarise(report)
+        out.write_text(json.dumps(report, indent=1))
+
+    with open(log_path, "w") as log:
+        if args.tiny and not args.spawn:  # in this process: the smoke test pays the imports once
+            for job in jobs:
+                result_file = work / f"result-{job['mode']}-{job['run']}.json"
+                job = {**job, "result": str(result_file)}
+                result_file.unlink(missing_ok=True)
+                result_file.write_text(json.dumps(run_one(job)))
+                record(result_file, job, 0)
+        else:
+            def single_gpu(queue):
+                """Single-GPU runs one at a time on GPU 0 (or, with --parallel, one per GPU side by side)."""
+                running = {}  # gpu -> (proc, result_file, job)
+                free = list(range(max(gpus, 1))) if args.parallel else [0]
+                while queue or running:
+                    if queue and time.time() - start >= args.budget_s:
+                        for job in queue:
+                            report["runs"].append({k: job[k] for k in ("mode", "run", "world")}
+                                                  | {"failed": "no time left"})
+                        queue = []
+                    while queue and free:
+                        gpu = free.pop(0)
+                        job = queue.pop(0)
+                        proc, result_file = launch(job, [gpu], log)
+                        running[gpu] = (proc, result_file, job)
+                    for gpu, (proc, result_file, job) in list(running.items()):
+                        if proc.poll() is not None:
+                            record(result_file, job, proc.returncode)
+                            print(f"done: {job['mode']}/{job['run']} (exit {proc.returncode}, "
+                                  f"{time.time() - start:.0f} s)", flush=True)
+                            del running[gpu]
+                            free.append(gpu)
+                    time.sleep(1)
+
+            # The uncapped runs first (the DDP runs compare against them), then DDP on both GPUs, then the caps.
+            single_gpu([j for j in jobs if j["mode"] == "uncapped"])
+            for job in ddp_jobs:
+                if time.time() - start >= args.budget_s:
+                    report["runs"].append({k: job[k] for k in ("mode", "run", "world")} | {"failed": "no time left"})
+                    continue
+                proc, result_file = launch(job, [0, 1], log)
+                proc.wait()
+                record(result_file, job, proc.returncode)
+                print(f"done: DDP {job['mode']}/{job['run']} (exit {proc.returncode}, {time.time() - start:.0f} s)",
+                      flush=True)
+            single_gpu([j for j in jobs if j["mode"] != "uncapped"])
+    summarise(report)
+    out.write_text(json.dumps(report, indent=1))
+    print(table(report))
+    print(f"wrote {out} ({time.time() - start:.0f} s)")
+    return 0 if all("failed" not in r for r in report["runs"]) else 1
+
+
+def summarise(report: dict) -> None:
+    """Ratios and MFU, filled into each run (idempotent)."""
+    peak_tflops = report["matmul_tflops"].get("bf16") or report["matmul_tflops"].get("fp32")
+    by_key = {(r["mode"], r["run"], r["world_size"]): r for r in report["runs"] if "tokens_per_s" in r}
+    for (mode, run, world), r in by_key.items():
+        n = matmul_flops_per_token(shape_of(_shape_key(r["model_shape"])))
+        per_gpu = r["tokens_per_s"] / world
+        r["mfu_6n"] = round(6 * n * per_gpu / (peak_tflops * 1e12), 4)
+        r["mfu_4n"] = round(4 * n * per_gpu / (peak_tflops * 1e12), 4)
+        for ref in ("free_tier", "plain_best"):
+            base = by_key.get((mode, ref, world))
+            if base and ref != run:
+                r[f"x_{ref}"] = round(r["tokens_per_s"] / base["tokens_per_s"], 2)
+        one = by_key.get((mode, run, 1))
+        if world > 1 and one:
+            r["ddp_efficiency"] = round(r["tokens_per_s"] / (world * one["tokens_per_s"]), 3)
+
+
+def _shape_key(name: str) -> str:
+    return {"Qwen2.5-1.5B": "qwen2.5-1.5b", "TinyLlama-1.1B": "tinyllama-1.1b"}.get(name, "tiny")
+
+
+def table(report: dict) -> str:
+    cols = ["mode", "run", "GPUs", "batch", "ckpt", "batching", "tok/s", "step s", "alloc GiB", "resv GiB",
+            "MFU 6N", "MFU 4N", "x free", "x plain", "DDP eff"]
+    lines = [cols]
+    for r in report["runs"]:
+        if "failed" in r:
+            lines.append([r["mode"], r["run"], str(r["world"]), "FAILED: " + r["failed"]] + [""] * 11)
+            continue
+        lines.append([r["mode"], r["run"], str(r["world_size"]), f"{r['micro_batch']}x{r['grad_accum']}",
+                      "on" if r["gradient_checkpointing"] else "off", r["batching"], f"{r['tokens_per_s']:.0f}",
+                      f"{r['step_s']:.2f}", f"{r.get('peak_allocated_gib', r.get('peak_rss_gib', 0)):.2f}",
+                      f"{r.get('peak_reserved_gib', 0):.2f}", f"{r.get('mfu_6n', 0):.1%}",
+                      f"{r.get('mfu_4n', 0):.1%}", str(r.get("x_free_tier", "")), str(r.get("x_plain_best", "")),
+                      str(r.get("ddp_efficiency", ""))])
+    widths = [max(len(row[i]) for row in lines) for i in range(len(cols))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

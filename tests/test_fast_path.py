@@ -1,0 +1,160 @@
+"""The fast default path (freetune.fast) trains the same model as the plain TRL stack, with no padding.
+
+Same tiny Qwen2 model, same rows, same seed, same rows per optimizer step in the same order:
+- plain: TRL's SFTTrainer as it comes (padded batches, its own compute_loss with per-step metric syncs);
+- fast:  freetune.train.train with a plan whose batching is padding-free (rows concatenated, sdpa keeping
+  them apart through the block-diagonal mask transformers builds from the restarting position_ids).
+The per-token mean loss must agree at the first step (before any update) and along the trajectory.
+"""
+
+import json
+import math
+
+ROWS = 24
+
+
+def varied_rows():
+    """Prompt/completion rows from a few to ~60 tokens, so a padded batch of 4 carries real padding."""
+    from datasets import Dataset
+
+    words = ["red", "green", "blue", "circle", "square", "line", "small", "large", "left", "right", "top", "bottom"]
+    rows = []
+    for i in range(ROWS):
+        n = 2 + (i * 7) % 23  # lengths spread over the batch
+        body = " ".join(words[(i * 5 + j) % 12] for j in range(n))
+        rows.append({"prompt": f"Draw {words[i % 12]} number {i}:", "completion": f" <svg>{body} {i}</svg>"})
+    return Dataset.from_list(rows)
+
+
+def run_paths(root, name):
+    from freetune.platform import Paths
+
+    run = root / name
+    paths = Paths(platform="local", run_dir=str(run), checkpoints=f"{run}/checkpoints", adapter=f"{run}/adapter",
+                  data=f"{run}/data", reports=f"{run}/reports")
+    paths.make()
+    return paths
+
+
+def losses(history):
+    return [h["loss"] for h in history if "loss" in h]
+
+
+def test_padding_free_path_matches_the_plain_loss_and_computes_no_padding(tiny_model_dir, tmp_path):
+    from trl import SFTTrainer
+
+    import freetune
+    from freetune import fast
+    from freetune.model import adapter_dtype_guard
+    from freetune.preflight import Plan
+
+    steps, micro, accum = 4, 4, 2
+
+    def model_and_config(plan, name):
+        paths = run_paths(tmp_path, name)
+        model = freetune.model.load_base_model(str(tiny_model_dir), plan, gradient_checkpointing=False)
+        model, _, _ = freetune.model.attach_lora(model, rank=8, alpha=16, dropout=0.0, seed=0)
+        config = freetune.train.make_config(
+            paths, plan, max_steps=steps, micro_batch=micro, grad_accum=accum, learning_rate=5e-3, max_length=64,
+            optimizer="adamw_torch", logging_steps=1, save_steps=100, save_total_limit=2, seed=0)
+        return paths, model, config
+
+    common = dict(device="cpu", compute_dtype="float32", mixed_precision="no", attn_implementation="sdpa",
+                  micro_batch=micro, grad_accum=accum, gradient_checkpointing=False)
+    tokenizer = freetune.model.load_tokenizer(str(tiny_model_dir))
+
+    # The plain stack: TRL's trainer and collator untouched (the fp32 LoRA guard only undoes TRL's bf16 cast,
+    # which the fast path undoes too, so both train the same fp32 weights).
+    _, model, config = model_and_config(Plan(**common, batching="padded"), "plain")
+    plain = SFTTrainer(model=model, args=config, train_dataset=varied_rows(), processing_class=tokenizer,
+                       callbacks=[adapter_dtype_guard()])
+    plain.train()
+    plain_losses = losses(plain.state.log_history)
+
+    paths, model, config = model_and_config(Plan(**common, batching="padding_free"), "fast")
+    summary = freetune.train.train(model, tokenizer, varied_rows(), config, paths=paths, resume=False)
+    fast_history = json.loads((tmp_path / "fast" / "reports" / "log_history.json").read_text())
+    fast_losses = losses(fast_history)
+
+    assert len(plain_losses) == len(fast_losses) == steps
+    # Step 1 is logged before any update: the same weights on the same tokens, only batched differently.
+    assert math.isclose(fast_losses[0], plain_losses[0], rel_tol=1e-4), (fast_losses[0], plain_losses[0])
+    # Along the run the same gradients give the same updates; float sums in another order drift only slightly.
+    for a, b in zip(fast_losses, plain_losses):
+        assert math.isclose(a, b, rel_tol=2e-3), (fast_losses, plain_losses)
+    assert fast_losses[-1] < fast_losses[0]  # it does learn
+
+    # The fast trainer ran padding-free: none of the tokens it computed were padding ...
+    pads = [h["pad_fraction"] for h in fast_history if "pad_fraction" in h]
+    assert pads and all(p == 0.0 for p in pads)
+    # ... and it saw every real token the plain run saw (its metrics are read once per log step, not per batch).
+    plain_tokens = max(h.get("num_tokens", 0) for h in plain.state.log_history)
+    assert summary["tokens"] == plain_tokens > 0
+    fast_entropy = [h["entropy"] for h in fast_history if "entropy" in h]
+    plain_entropy = [h["entropy"] for h in plain.state.log_history if "entropy" in h]
+    assert math.isclose(fast_entropy[0], plain_entropy[0], rel_tol=1e-3)
+
+    # The same batches through both collators: the plain one pads, the padding-free one does not.
+    padded = [fast.padding_stats(b) for b in plain.get_train_dataloader()]
+    fast.apply_batching(plain, "padding_free")
+    free = [fast.padding_stats(b) for b in plain.get_train_dataloader()]
+    assert sum(s["pad_tokens"] for s in padded) > 0
+    assert sum(s["pad_tokens"] for s in free) == 0
+    assert sum(s["real_tokens"] for s in free) == sum(s["real_tokens"] for s in padded)
+    assert sum(s["computed_tokens"] for s in free) < sum(s["computed_tokens"] for s in padded)
+
+
+def test_the_plan_chooses_the_fast_path_and_says_why():
+    from freetune.memory import KNOWN_SHAPES
+    from freetune.preflight import GPU, Hardware, make_plan
+
+    def machine(name, capability, memory_gib, bf16):
+        return Hardware(gpus=[GPU(name, capability, memory_gib)], arch_list=["sm_75", "sm_80", "sm_90"],
+                        bf16_supported=bf16, torch="2.13.0", cuda="12.8", disk_free_gib={"/work": 60.0},
+                        ram_total_gib=30.0, ram_available_gib=28.0)
+
+    shape = KNOWN_SHAPES["qwen2.5-1.5b"]
+    # A T4: the full batch without checkpointing needs far more than 14.7 GiB, so checkpointing stays on;
+    # no variable-length FlashAttention there, so batches are grouped by length instead of concatenated.
+    t4 = make_plan(machine("Tesla T4", (7, 5), 14.7, False), model_shape=shape, micro_batch=None, grad_accum=8)
+    assert t4.micro_batch > 1 and t4.gradient_checkpointing and t4.batching == "grouped"
+    assert "would need" in t4.reasons["gradient_checkpointing"] and "T4" in t4.reasons["batching"]
+    # A 141 GB card: 8 x 1,024 tokens fit without the recompute, so it goes.
+    big = make_plan(machine("NVIDIA H200", (9, 0), 139.8, True), model_shape=shape, micro_batch=None, grad_accum=8)
+    assert big.micro_batch == 8 and not big.gradient_checkpointing and "fit without it" in \
+        big.reasons["gradient_checkpointing"]
+    # Asked for explicitly, checkpointing is kept whatever the memory.
+    kept = make_plan(machine("NVIDIA H200", (9, 0), 139.8, True), model_shape=shape, micro_batch=None, grad_accum=8,
+                     gradient_checkpointing=True)
+    assert kept.gradient_checkpointing and kept.reasons["gradient_checkpointing"] == "as given"
+    # A CPU run is a check: the plain stack's padded batches (the padding-free path is tested explicitly above).
+    cpu = make_plan(Hardware(gpus=[], arch_list=[], bf16_supported=False, torch="2.13.0", cuda=None,
+                             disk_free_gib={"/work": 60.0}, ram_total_gib=30.0, ram_available_gib=28.0),
+                    model_shape=shape, micro_batch=None, grad_accum=8, max_length=256)
+    assert cpu.device == "cpu" and cpu.micro_batch > 1 and cpu.batching == "padded"
+    # Each choice is a row of the printed plan.
+    table = big.table()
+    assert "batching" in table and "checkpointing" in table
+
+
+def test_freetune_attention_keeps_packed_rows_apart_like_separate_rows(tiny_model_dir):
+    """freetune's registered attention on a packed row (off a GPU: sdpa with transformers' block-diagonal mask)
+    gives each row the logits it gets alone: no token sees another row."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from freetune import fast
+
+    name = fast.register_attention()
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), attn_implementation=name,
+                                                 dtype=torch.float32).eval()
+    rows = [torch.arange(5, 5 + n) * 37 % 5000 for n in (7, 12, 4)]
+    packed = torch.cat(rows)[None]
+    positions = torch.cat([torch.arange(len(r)) for r in rows])[None]
+    bounds = torch.tensor([0, 7, 19, 23], dtype=torch.int32)
+    with torch.no_grad():
+        # use_cache=False as in training (TRL sets it): with a KV cache transformers does not look for packed rows.
+        together = model(input_ids=packed, position_ids=positions, cu_seq_lens_q=bounds, cu_seq_lens_k=bounds,
+                         max_length_q=12, max_length_k=12, use_cache=False).logits[0]
+        alone = torch.cat([model(input_ids=r[None]).logits[0] for r in rows])
+    torch.testing.assert_close(together, alone, rtol=1e-4, atol=1e-4)
