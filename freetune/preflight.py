@@ -425,8 +425,8 @@ def make_plan(hardware: Hardware | None = None, *, model_shape: ModelShape | str
         grad_accum rows per optimizer step into micro-batches (1 x 8 becomes 8 x 1 where memory allows: the
         same rows per step, several times the tokens per second). A number is kept, and warned about if it
         does not fit.
-    gradient_checkpointing: True / False, or "auto": off when the whole micro-batch fits the memory budget
-        without it (it recomputes every layer's forward in the backward, ~30% of a step), else on.
+    gradient_checkpointing: "on" / "off" (or True / False), or "auto": off when the whole micro-batch fits the
+        memory budget without it (it recomputes every layer's forward in the backward, ~30% of a step), else on.
     force_policy / precision: 'turing' / 'fp16' or 'ampere' / 'bf16' overrides the detected GPU (benchmarks,
         the T4 path checked on a bigger GPU).
     memory_budget_gib: plan for this much GPU memory instead of the card's (e.g. a 4 GiB card emulated with
@@ -461,8 +461,14 @@ def make_plan(hardware: Hardware | None = None, *, model_shape: ModelShape | str
 
     micro_batch = micro_batch or None
     rows_per_gpu_step = (micro_batch or 1) * grad_accum
-    checkpointing_auto = gradient_checkpointing in ("auto", None)
-    gradient_checkpointing = True if checkpointing_auto else bool(gradient_checkpointing)
+    # A recipe parameter is a string ("auto" / "on" / "off": papermill cannot read a `bool | str` annotation);
+    # library callers may pass a bool.
+    choices = {"auto": None, None: None, "on": True, True: True, "off": False, False: False}
+    if gradient_checkpointing not in choices:
+        raise FreetuneError(f"gradient_checkpointing = {gradient_checkpointing!r}: use 'auto' (on unless the batch fits "
+                            f"without it), 'on' or 'off'.")
+    checkpointing_auto = choices[gradient_checkpointing] is None
+    gradient_checkpointing = True if checkpointing_auto else choices[gradient_checkpointing]
     reasons["gradient_checkpointing"] = "as given" if not checkpointing_auto else (
         "on: no model shape to check the memory against, so the safe side")
     shape = _resolve_shape(model_shape)

@@ -203,3 +203,12 @@ def test_cli_refuses_an_unsupported_gpu(monkeypatch, capsys):
     monkeypatch.setattr(preflight, "read_hardware", lambda *a, **k: T4)
     assert preflight.main([]) == 0
     assert "Tesla T4" in capsys.readouterr().out
+
+
+def test_gradient_checkpointing_takes_auto_on_off_and_refuses_anything_else():
+    # "auto" on an 80 GB card: 8 x 1,024 tokens of the 1.5B shape fit without recomputation, so it goes off.
+    assert make_plan(A100, model_shape="qwen2.5-1.5b", grad_accum=8).gradient_checkpointing is False
+    assert make_plan(A100, model_shape="qwen2.5-1.5b", gradient_checkpointing="on").gradient_checkpointing is True
+    assert make_plan(T4, model_shape="qwen2.5-1.5b", gradient_checkpointing="off").gradient_checkpointing is False
+    with pytest.raises(FreetuneError, match="'auto'.*'on' or 'off'"):
+        make_plan(T4, model_shape="qwen2.5-1.5b", gradient_checkpointing="yes")
