@@ -40,6 +40,7 @@ BATCHING = ("padding_free", "grouped", "padded")
 
 # ---------------------------------------------------------------------------------------------- attention --
 
+@functools.cache
 def _varlen_fn():
     try:
         from torch.nn.attention.varlen import varlen_attn
@@ -48,10 +49,16 @@ def _varlen_fn():
     return varlen_attn
 
 
+@functools.cache
+def _varlen_params() -> frozenset:
+    """The keyword arguments this torch's varlen_attn takes (read once: it is called in every attention layer)."""
+    return frozenset(inspect.signature(_varlen_fn()).parameters)
+
+
 def _varlen_call(q, k, v, cu_seq, max_len: int, scale):
     """Causal variable-length attention on (tokens, heads, dim) tensors, across torch versions' signatures."""
     fn = _varlen_fn()
-    params = inspect.signature(fn).parameters
+    params = _varlen_params()
     kwargs = {}
     if "is_causal" in params:       # torch 2.10/2.11
         kwargs["is_causal"] = True
@@ -72,31 +79,20 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
                              is_causal=None, **kwargs):
     """transformers attention function: varlen FlashAttention for a padding-free batch on a GPU where it was
     checked, sdpa (with transformers' mask, block-diagonal for packed rows) for everything else."""
+    import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     cu = kwargs.get("cu_seq_lens_q")
     if (cu is not None and query.is_cuda and query.shape[0] == 1 and dropout == 0.0
-            and query.dtype in _16BIT() and varlen_works(query.device.index or 0)[0]):
+            and query.dtype in (torch.float16, torch.bfloat16) and varlen_works(query.device.index or 0)[0]):
         q = query[0].transpose(0, 1)  # (batch 1, heads, tokens, dim) -> (tokens, heads, dim)
         k = key[0].transpose(0, 1)
         v = value[0].transpose(0, 1)
         max_len = kwargs.get("max_length_q") or int(cu.diff().max())
-        out = _varlen_call(q, k, v, cu.to(device=q.device, dtype=_int32()), int(max_len), scaling)
+        out = _varlen_call(q, k, v, cu.to(device=q.device, dtype=torch.int32), int(max_len), scaling)
         return out.unsqueeze(0), None  # (1, tokens, heads, dim), as sdpa_attention_forward returns
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   is_causal=is_causal, **kwargs)
-
-
-def _16BIT():
-    import torch
-
-    return (torch.float16, torch.bfloat16)
-
-
-def _int32():
-    import torch
-
-    return torch.int32
 
 
 def register_attention() -> str:

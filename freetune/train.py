@@ -259,12 +259,10 @@ def train(model, tokenizer, train_dataset, config, *, paths: Paths, eval_dataset
         "world_size": trainer.args.world_size,
         "adapter": paths.adapter,
     }
-    if sharded:
-        # Gathering the adapter is a collective: every rank takes part, the Trainer writes on rank 0 only.
+    if sharded or trainer.is_world_process_zero():
+        # Under FSDP gathering the adapter is a collective: every rank takes part, the Trainer writes on rank 0 only.
         trainer.save_model(paths.adapter)
     if trainer.is_world_process_zero():
-        if not sharded:
-            trainer.save_model(paths.adapter)
         tokenizer.save_pretrained(paths.adapter)
         reports = Path(paths.reports)
         (reports / HISTORY_FILE).write_text(json.dumps(trainer.state.log_history, indent=1))
