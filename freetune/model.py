@@ -110,16 +110,19 @@ def load_base_model(model_id: str, plan: Plan, *, local_rank: int = 0, gradient_
             bnb_4bit_quant_storage=plan.torch_dtype if fsdp else torch.uint8,
         )
     if fsdp:
-        # Quantised models load whole on every rank (transformers skips its rank-0-only loading for them), so a
-        # model that does not fit one GPU is quantised in host memory, and FSDP then moves it to the GPU one
-        # wrapped decoder layer at a time, keeping 1/N of each. device_map must not name a GPU here.
+        # A model that does not fit one GPU is quantised in host memory (by global rank 0 alone, see
+        # _load_fsdp_rank0_only), and FSDP then moves it to the GPU one wrapped decoder layer at a time, keeping
+        # 1/N of each. device_map must not name a GPU here.
         kwargs["device_map"] = {"": "cpu"}
     elif plan.device == "cuda":
         # One full copy per process on its own GPU (DDP). Never "auto"/"balanced": those split the layers
         # across GPUs, which runs them one after another, slower than one GPU.
         kwargs["device_map"] = {"": local_rank}
     try:
-        model = AutoModelForCausalLM.from_pretrained(model_id, **kwargs)
+        if fsdp and _distributed():
+            model = _load_fsdp_rank0_only(model_id, kwargs)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(model_id, **kwargs)
     except OSError as exc:
         raise FreetuneError(f"Could not load model {model_id!r}: {str(exc)[:300]}. Check `model_id`, that this "
                             f"machine is online, and HF_TOKEN for gated models.") from exc
@@ -189,3 +192,100 @@ def adapter_dtype_guard(dtype: str = "float32"):
                 print(f"LoRA weights kept in {dtype} ({recast} tensors the trainer had cast to 16-bit).", flush=True)
 
     return _AdapterDtypeGuard()
+
+
+# ------------------------------------------------------------------------------------ FSDP: one host copy --
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _load_fsdp_rank0_only(model_id: str, kwargs: dict):
+    """The 4-bit model for FSDP with one copy of its weights in host memory for the whole job, not one per rank.
+
+    transformers loads only on rank 0 under FSDP for ordinary models, but not for quantised ones (5.17 skips its
+    rank-0-only path when a quantizer is set), and bitsandbytes' quantisation state (absmax, code, nested
+    constants) is neither a parameter nor a buffer, so FSDP's sync_module_states could not carry it anyway.
+    So here:
+    - global rank 0 loads and quantises the model as usual (on the CPU: device_map cpu);
+    - it broadcasts, for each 4-bit layer, the packed weight's shape and dtype and its quantisation state (small:
+      ~1/60 of the 4-bit bytes, pickled through the process group);
+    - every other rank builds the same module tree without reading the weights: parameters on the meta device
+      (buffers such as the rotary frequencies computed as usual), the 4-bit layers rebuilt as bitsandbytes
+      Linear4bit from the broadcast state, then every parameter given uninitialised host memory (never written
+      on these ranks, so the OS commits no pages for it);
+    - FSDP (sync_module_states=True, train.fsdp_settings) moves each wrapped layer to the GPU and broadcasts rank
+      0's values into it, so all ranks start from rank 0's weights.
+    Tied weights (lm_head = embed_tokens) are tied as from_pretrained ties them. tests/test_multihost.py runs it on 2 CPU processes: the
+    ranks without the weights grow by a fraction of rank 0's memory and train to the same losses.
+    """
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    if dist.get_rank() == 0:
+        model = AutoModelForCausalLM.from_pretrained(model_id, **kwargs)
+        spec = {"layers": {}, "attributes": {}}
+        for name, module in model.named_modules():
+            weight = getattr(module, "weight", None)
+            if type(weight).__name__ == "Params4bit":
+                spec["layers"][name] = dict(shape=tuple(weight.shape), dtype=str(weight.dtype).removeprefix("torch."),
+                                            bias=module.bias is not None,
+                                            state={k: v.cpu() if torch.is_tensor(v) else v
+                                                   for k, v in weight.quant_state.as_dict(packed=True).items()})
+        spec["attributes"] = {k: getattr(model, k) for k in _QUANTIZED_MODEL_ATTRIBUTES if hasattr(model, k)}
+        dist.broadcast_object_list([spec], src=0)
+        return model
+    received = [None]
+    dist.broadcast_object_list(received, src=0)
+    return _skeleton_from_spec(model_id, kwargs, received[0])
+
+
+# What from_pretrained sets on a 4-bit model, read by peft (which LoRA layer class to use) and the Trainer.
+_QUANTIZED_MODEL_ATTRIBUTES = ("is_loaded_in_4bit", "is_quantized", "quantization_method", "is_4bit_serializable")
+
+
+def _skeleton_from_spec(model_id: str, kwargs: dict, spec: dict):
+    """The model's module tree with rank 0's 4-bit layout and unread (uninitialised) weights (see above)."""
+    import bitsandbytes as bnb
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.quantizers import AutoHfQuantizer
+
+    quant_config = kwargs["quantization_config"]
+    config = AutoConfig.from_pretrained(model_id)
+    config.quantization_config = quant_config
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=kwargs["dtype"],
+                                                 attn_implementation=kwargs.get("attn_implementation"))
+    for name, layer in spec["layers"].items():
+        old = model.get_submodule(name)
+        new = bnb.nn.Linear4bit(old.in_features, old.out_features, bias=layer["bias"],
+                                compute_dtype=quant_config.bnb_4bit_compute_dtype,
+                                compress_statistics=quant_config.bnb_4bit_use_double_quant,
+                                quant_type=quant_config.bnb_4bit_quant_type,
+                                quant_storage=getattr(torch, layer["dtype"]), device="meta")
+        packed = torch.empty(layer["shape"], dtype=getattr(torch, layer["dtype"]), device="cpu")
+        new.weight = bnb.nn.Params4bit.from_prequantized(packed, layer["state"], requires_grad=False, device="cpu",
+                                                         module=new)
+        if layer["bias"]:
+            new.bias = old.bias  # still on meta; given memory below with the other parameters
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, new)
+    given = {}  # id(meta parameter) -> its host replacement: tied parameters stay one parameter
+    for module in model.modules():
+        for pname, param in list(module._parameters.items()):
+            if param is not None and param.is_meta:
+                if id(param) not in given:
+                    given[id(param)] = torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="cpu"),
+                                                          requires_grad=param.requires_grad)
+                module._parameters[pname] = given[id(param)]
+    model.tie_weights()  # as from_pretrained does (lm_head = embed_tokens where the config ties them)
+    for key, value in spec["attributes"].items():
+        setattr(model, key, value)
+    model.hf_quantizer = AutoHfQuantizer.from_config(quant_config, pre_quantized=False)
+    model.eval()  # as from_pretrained returns it
+    return model

@@ -19,7 +19,7 @@ import os
 import time
 from pathlib import Path
 
-from freetune import checkpoint, fast
+from freetune import checkpoint, fast, kernels
 from freetune.distributed import COLLECTIVE_TIMEOUT_S, WriteTracer, check_replicas_agree, context, print0
 from freetune.errors import FreetuneError
 from freetune.model import adapter_dtype_guard
@@ -48,7 +48,7 @@ def memory_gib() -> tuple[float, float, str]:
 
 
 def make_config(paths: Paths, plan: Plan, *, max_steps: int, micro_batch: int, grad_accum: int,
-                learning_rate: float, max_length: int, optimizer: str = "paged_adamw_8bit",
+                learning_rate: float, max_length: int, optimizer: str = "auto",
                 max_grad_norm: float = 1.0, warmup_ratio: float = 0.03, logging_steps: int = 1,
                 save_steps: int = 50, save_total_limit: int = 3, gradient_checkpointing: bool | None = None,
                 seed: int = 0, assistant_only: bool = False, num_epochs: float = 1.0):
@@ -70,6 +70,8 @@ def make_config(paths: Paths, plan: Plan, *, max_steps: int, micro_batch: int, g
         raise FreetuneError(f"save_steps = {save_steps}: checkpoint at least every few hundred steps (e.g. 50), or a "
                             f"lost session loses the whole run.")
 
+    if optimizer == "auto":
+        optimizer = plan.optimizer  # the plan's choice (freetune.preflight.choose_optimizer)
     if plan.device == "cpu" and ("paged" in optimizer or "8bit" in optimizer):
         # bitsandbytes' paged/8-bit optimisers need CUDA; on a CPU the same run uses plain AdamW.
         print0(f"Optimizer {optimizer} needs a GPU: using adamw_torch on the CPU.")
@@ -113,6 +115,8 @@ def make_config(paths: Paths, plan: Plan, *, max_steps: int, micro_batch: int, g
         **fsdp_settings(plan),
     )
     config.freetune_batching = plan.batching  # read by train(); TRL's own padding_free refuses max_length
+    config.freetune_lora_kernel = plan.lora_kernel  # read by train(), once the adapter is attached
+    config.freetune_compile = plan.compile
     if plan.device == "cuda" and torch.cuda.device_count() > 1 and "LOCAL_RANK" not in os.environ:
         # One process that sees two GPUs makes the Trainer wrap the model in nn.DataParallel, which SFTTrainer
         # refuses. Inline training uses one GPU; the Kaggle notebook's torchrun cell uses them all.
@@ -219,6 +223,12 @@ def train(model, tokenizer, train_dataset, config, *, paths: Paths, eval_dataset
 
     trainer.remove_callback(PrinterCallback)  # it prints raw log dicts; ProgressPrinter prints one clean line
     fast.apply_batching(trainer, getattr(config, "freetune_batching", "padded"))
+    if getattr(config, "freetune_lora_kernel", "peft") == "fused":
+        fused, seen = kernels.use_fused_lora(trainer.model)
+        print0(f"LoRA kernel: fused on {fused} of {seen} LoRA layers (freetune.kernels).")
+    if getattr(config, "freetune_compile", False):
+        compiled = kernels.compile_layers(trainer.model)
+        print0(f"torch.compile: {compiled} decoder layers; the first steps are slower while they compile.")
     print0(f"Checkpoints: every {config.save_steps} steps, the last {config.save_total_limit} kept, in "
            f"{paths.checkpoints}. Time budget: {budget_text}.")
     resume_from = checkpoint.agree_on_resume(paths.checkpoints, config.max_steps, hub) if resume else None
@@ -231,6 +241,7 @@ def train(model, tokenizer, train_dataset, config, *, paths: Paths, eval_dataset
     finally:
         if hub is not None:
             hub.close()
+        kernels.uncompile_layers(trainer.model)  # the model may go on to generate: eager layers for that
     wall = time.time() - start
     sharded = bool(getattr(config, "fsdp", None))
     if sharded:

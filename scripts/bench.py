@@ -142,6 +142,56 @@ def measure_matmul_tflops(device: str) -> dict:
 
 # ----------------------------------------------------------------------------------------------- worker --
 
+def _step_profiler_class():
+    from transformers import TrainerCallback
+
+    class StepProfiler(TrainerCallback):
+        """torch.profiler over the one optimizer step after the warm-up: wall time, the GPU's busy time (sum of
+        kernel durations), kernel launches and ATen calls, and the top kernels / host-side ops printed to the log.
+        A step whose GPU is busy for a fraction of its wall time is bound by the host (launches, Python, syncs)."""
+
+        def __init__(self, warmup: int, cuda: bool):
+            self.warmup, self.cuda, self.prof, self.summary = warmup, cuda, None, {}
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            import torch
+            from torch.profiler import ProfilerActivity, profile
+
+            if state.global_step == self.warmup and self.prof is None:
+                if self.cuda:
+                    torch.cuda.synchronize()
+                acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+                self.prof = profile(activities=acts)
+                self.prof.__enter__()
+                self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            import torch
+
+            if self.prof is None or self.summary or state.global_step != self.warmup + 1:
+                return
+            if self.cuda:
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - self.t0
+            self.prof.__exit__(None, None, None)
+            events = self.prof.events()
+            kernels = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")]
+            busy = sum(getattr(e, "device_time", 0) or 0 for e in kernels) / 1e6
+            aten = sum(1 for e in events if e.name.startswith("aten::"))
+            self.summary = {"wall_s": round(wall, 4), "gpu_busy_s": round(busy, 4),
+                            "gpu_busy_share": round(busy / wall, 3) if wall else None,
+                            "kernels": len(kernels), "aten_calls": aten}
+            averages = self.prof.key_averages()
+            print(f"profile of step {state.global_step}: {self.summary}", flush=True)
+            sort = "self_device_time_total" if self.cuda else "self_cpu_time_total"
+            print(averages.table(sort_by=sort, row_limit=18, max_name_column_width=60), flush=True)
+            if self.cuda:
+                print(averages.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60),
+                      flush=True)
+
+    return StepProfiler
+
+
 def run_one(job: dict) -> dict:
     """One configuration in this process (under torchrun: one rank of it). Returns the measurements."""
     import torch
@@ -172,7 +222,8 @@ def run_one(job: dict) -> dict:
     plan = make_plan(hardware, model_shape=shape, max_length=job["max_length"], micro_batch=None,
                      grad_accum=ROWS_PER_STEP, lora_rank=LORA_RANK, precision=job["precision"],
                      memory_budget_gib=budget)
-    plain = dict(batching="padded", attn_implementation="sdpa",
+    plain = dict(batching="padded", attn_implementation="sdpa", lora_kernel="peft", compile=False,
+                 optimizer="paged_adamw_8bit",
                  reasons={**plan.reasons, "batching": "plain stack: padded to the longest row of the batch",
                           "attention": "plain stack: sdpa"})
     if job["run"] == "free_tier":
@@ -183,6 +234,15 @@ def run_one(job: dict) -> dict:
     elif job.get("batching"):  # --tiny: a CPU plan keeps padded batches; smoke the GPU's padding-free path
         plan = replace(plan, batching=job["batching"],
                        reasons={**plan.reasons, "batching": f"{job['batching']}, as --tiny asks"})
+    overrides = dict(job.get("overrides") or {})
+    experiments = {k: overrides.pop(k) for k in ("liger",) if k in overrides}
+    if overrides:  # a --variants run: freetune's plan with some choices changed
+        plan = replace(plan, **overrides, reasons={**plan.reasons, **{k: "as --variants asks" for k in overrides}})
+    if experiments.get("liger"):  # Liger's Triton RMSNorm, SwiGLU and RoPE (not its loss: TRL's head is chunked)
+        import liger_kernel.transformers as liger
+
+        getattr(liger, f"apply_liger_kernel_to_{ARCHITECTURE[shape.name]}")(
+            rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False)
     if ctx.is_main:
         print(f"== {job['mode']} / {job['run']} / {job['world']} process(es)\n{plan.table()}", flush=True)
 
@@ -195,8 +255,8 @@ def run_one(job: dict) -> dict:
                                                      seed=0)
     total_steps = warmup + measured
     config = freetune.train.make_config(
-        paths, plan, max_steps=total_steps, micro_batch=plan.micro_batch, grad_accum=plan.grad_accum,
-        learning_rate=1e-4, max_length=job["max_length"], optimizer="paged_adamw_8bit", logging_steps=1,
+        paths, plan, max_steps=total_steps + (1 if job.get("profile") else 0), micro_batch=plan.micro_batch, grad_accum=plan.grad_accum,
+        learning_rate=1e-4, max_length=job["max_length"], optimizer=plan.optimizer, logging_steps=1,
         save_steps=100_000, seed=0)
 
     class Timer(TrainerCallback):
@@ -212,8 +272,11 @@ def run_one(job: dict) -> dict:
                 self.marks[state.global_step] = time.perf_counter()
 
     timer = Timer()
-    if job["run"] == "freetune":
-        freetune.train.train(model, tokenizer, dataset, config, paths=paths, resume=False, extra_callbacks=[timer])
+    # The profiled step comes after the measured ones: the profiler's own overhead stays out of the timings.
+    profiler = _step_profiler_class()(total_steps, cuda) if job.get("profile") and ctx.is_main else None
+    callbacks = [timer] + ([profiler] if profiler is not None else [])
+    if job["run"].startswith("freetune"):
+        freetune.train.train(model, tokenizer, dataset, config, paths=paths, resume=False, extra_callbacks=callbacks)
         history = json.loads((run_dir / "reports" / "log_history.json").read_text()) if ctx.is_main else []
     else:
         # The plain stack: TRL's trainer, collator and loss as they come. The fp32 LoRA guard stays: without it
@@ -221,7 +284,7 @@ def run_one(job: dict) -> dict:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer,
-                             callbacks=[adapter_dtype_guard(), timer])
+                             callbacks=[adapter_dtype_guard(), *callbacks])
         trainer.train()
         history = trainer.state.log_history
     if not ctx.is_main:
@@ -241,7 +304,10 @@ def run_one(job: dict) -> dict:
         "step_s": round(seconds / measured, 4),
         "pad_fraction": round(sum(pads) / len(pads), 4) if pads else None,
         "losses": [round(h["loss"], 4) for h in history if "loss" in h],
+        "lora_kernel": plan.lora_kernel, "compile": plan.compile, "optimizer": plan.optimizer,
     }
+    if profiler is not None and profiler.summary:
+        result["profile"] = profiler.summary
     if cuda:
         result["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
         result["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 3)
@@ -274,12 +340,24 @@ def main(argv=None) -> int:
     parser.add_argument("--work", default="/tmp/freetune_bench", help="models, rows and run folders")
     parser.add_argument("--modes", default="uncapped,t4,4gb", help="comma-separated: " + ", ".join(MODES))
     parser.add_argument("--no-ddp", action="store_true", help="skip the 2-GPU (torchrun) runs")
+    parser.add_argument("--ddp-only", action="store_true",
+                        help="only the 2-GPU runs (their efficiency then needs --merge with a report of the single runs)")
+    parser.add_argument("--merge", nargs="*", default=[],
+                        help="reports whose runs join this one's (e.g. the single-GPU runs of an earlier call)")
     parser.add_argument("--budget-s", type=float, default=480, help="start no run after this many seconds")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny shape, a few steps, no caps")
     parser.add_argument("--parallel", action="store_true",
                         help="single-GPU runs side by side, one per GPU: about half the wall time, but the runs then "
                              "share the host's CPUs and their rates (and the DDP baseline) are skewed")
     parser.add_argument("--spawn", action="store_true", help="--tiny in fresh processes, as on a GPU machine")
+    parser.add_argument("--runs", default=",".join(RUNS), help="comma-separated subset of: " + ", ".join(RUNS))
+    parser.add_argument("--variants", default="",
+                        help="extra freetune runs with plan choices changed, ';'-separated 'label:field=value,...' "
+                             "(e.g. 'eager:compile=false;peft:lora_kernel=peft,optimizer=paged_adamw_8bit'); also the "
+                             "experiment liger=true (Liger's RMSNorm/SwiGLU/RoPE, liger-kernel installed)")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile one more step after the measured ones (torch.profiler): GPU busy share, "
+                             "kernels, top ops in the log")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
@@ -321,12 +399,15 @@ def main(argv=None) -> int:
         rows_file = work / f"rows-{shape.name}.json"
         if not rows_file.exists():
             rows_file.write_text(json.dumps(synthetic_rows(256, shape.vocab, lengths)))
-        for run in RUNS:
-            warmup, measured = steps[run]
+        runs = [(run, {}) for run in RUNS if run in args.runs.split(",")]
+        runs += [(f"freetune[{label}]", overrides) for label, overrides in parse_variants(args.variants)]
+        for run, overrides in runs:
+            warmup, measured = steps[run.split("[")[0]]
             jobs.append(dict(mode=mode, run=run, shape=spec["shape"], cap_gib=spec["cap_gib"],
                              precision=spec["precision"], max_length=max_length, warmup=warmup, steps=measured,
                              model=str(model_dir), tokenizer=str(tokenizer_dir), rows=str(rows_file),
-                             work=str(work), world=1, batching="padding_free" if args.tiny else None))
+                             work=str(work), world=1, batching="padding_free" if args.tiny else None,
+                             overrides=overrides, profile=args.profile))
     if device == "cuda":
         torch.cuda.empty_cache()
     ddp_jobs = [] if (args.no_ddp or gpus < 2 or "uncapped" not in modes) else [
@@ -378,7 +459,8 @@ def main(argv=None) -> int:
                     time.sleep(1)
 
             # The uncapped runs first (the DDP runs compare against them), then DDP on both GPUs, then the caps.
-            single_gpu([j for j in jobs if j["mode"] == "uncapped"])
+            if not args.ddp_only:
+                single_gpu([j for j in jobs if j["mode"] == "uncapped"])
             for job in ddp_jobs:
                 if time.time() - start >= args.budget_s:
                     report["runs"].append({k: job[k] for k in ("mode", "run", "world")} | {"failed": "no time left"})
@@ -388,12 +470,32 @@ def main(argv=None) -> int:
                 record(result_file, job, proc.returncode)
                 print(f"done: DDP {job['mode']}/{job['run']} (exit {proc.returncode}, {time.time() - start:.0f} s)",
                       flush=True)
-            single_gpu([j for j in jobs if j["mode"] != "uncapped"])
+            if not args.ddp_only:
+                single_gpu([j for j in jobs if j["mode"] != "uncapped"])
+    for other in args.merge:
+        # Their measured runs only: a run that failed or was skipped there says nothing here.
+        report["runs"] += [r for r in json.loads(Path(other).read_text())["runs"] if "failed" not in r]
+        report.setdefault("merged_from", []).append(other)
     summarise(report)
     out.write_text(json.dumps(report, indent=1))
     print(table(report))
     print(f"wrote {out} ({time.time() - start:.0f} s)")
     return 0 if all("failed" not in r for r in report["runs"]) else 1
+
+
+def parse_variants(text: str) -> list[tuple[str, dict]]:
+    """'label:field=value,field=value;label2:...' -> [(label, {field: value})]; true/false and integers typed."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        label, _, assignments = part.partition(":")
+        overrides = {}
+        for item in filter(None, assignments.split(",")):
+            key, _, value = item.partition("=")
+            low = value.strip().lower()
+            overrides[key.strip()] = (low == "true") if low in ("true", "false") else (
+                int(low) if low.lstrip("-").isdigit() else value.strip())
+        out.append((label.strip(), overrides))
+    return out
 
 
 def summarise(report: dict) -> None:
@@ -419,15 +521,17 @@ def _shape_key(name: str) -> str:
 
 
 def table(report: dict) -> str:
-    cols = ["mode", "run", "GPUs", "batch", "ckpt", "batching", "tok/s", "step s", "alloc GiB", "resv GiB",
+    cols = ["mode", "run", "GPUs", "batch", "ckpt", "batching", "LoRA", "GPU busy", "tok/s", "step s", "alloc GiB", "resv GiB",
             "MFU 6N", "MFU 4N", "x free", "x plain", "DDP eff"]
     lines = [cols]
     for r in report["runs"]:
         if "failed" in r:
-            lines.append([r["mode"], r["run"], str(r["world"]), "FAILED: " + r["failed"]] + [""] * 11)
+            lines.append([r["mode"], r["run"], str(r["world"]), "FAILED: " + r["failed"]] + [""] * (len(cols) - 4))
             continue
         lines.append([r["mode"], r["run"], str(r["world_size"]), f"{r['micro_batch']}x{r['grad_accum']}",
-                      "on" if r["gradient_checkpointing"] else "off", r["batching"], f"{r['tokens_per_s']:.0f}",
+                      "on" if r["gradient_checkpointing"] else "off", r["batching"], r.get("lora_kernel", ""),
+                      f"{r['profile']['gpu_busy_share']:.0%}" if r.get("profile", {}).get("gpu_busy_share") else "",
+                      f"{r['tokens_per_s']:.0f}",
                       f"{r['step_s']:.2f}", f"{r.get('peak_allocated_gib', r.get('peak_rss_gib', 0)):.2f}",
                       f"{r.get('peak_reserved_gib', 0):.2f}", f"{r.get('mfu_6n', 0):.1%}",
                       f"{r.get('mfu_4n', 0):.1%}", str(r.get("x_free_tier", "")), str(r.get("x_plain_best", "")),

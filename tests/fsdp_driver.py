@@ -29,7 +29,13 @@ def main() -> None:
     ctx = freetune.distributed.init(timeout_s=60)
     plan = Plan(device="cpu", compute_dtype="float32", mixed_precision="no", attn_implementation="sdpa",
                 layout="fsdp" if mode in ("fsdp", "single") else None)
+    import bitsandbytes  # noqa: F401 - imported before the measurement below, so that it counts weights only
+    import peft  # noqa: F401
+    import transformers.models.qwen2.modeling_qwen2  # noqa: F401
+
+    rss_before = _rss_mib()
     model = freetune.model.load_base_model(model_dir, plan, gradient_checkpointing=True)
+    load_rss_mib = _rss_mib() - rss_before  # host memory the loaded model took in this process
     model, trainable, total = freetune.model.attach_lora(model, rank=8, alpha=16, dropout=0.0, seed=0)
     quantized = {type(m.weight).__name__: str(m.weight.dtype) for m in model.modules()
                  if type(m).__name__ == "Linear4bit"}
@@ -41,6 +47,11 @@ def main() -> None:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp import ShardingStrategy
 
+        # Rank 0 alone read the weights (freetune.model._load_fsdp_rank0_only). On GPUs FSDP's sync_module_states
+        # (train.fsdp_settings) broadcasts them into the other ranks' unread parameters; FSDP refuses that option for
+        # CPU modules, so here the same broadcast is done before wrapping: every parameter and buffer from rank 0.
+        for tensor in [*model.parameters(), *model.buffers()]:
+            torch.distributed.broadcast(tensor.data, src=0)
         model = FSDP(model, auto_wrap_policy=fsdp_auto_wrap_policy(model), sharding_strategy=ShardingStrategy.FULL_SHARD,
                      use_orig_params=False, device_id=torch.device("cpu"))
         batch = rows[ctx.rank]
@@ -60,9 +71,17 @@ def main() -> None:
             value /= ctx.world_size
         losses.append(value.item())
     record = {"mode": mode, "rank": ctx.rank, "world_size": ctx.world_size, "losses": losses, "held": held,
-              "total": total, "trainable": trainable, "quantized": quantized}
+              "total": total, "trainable": trainable, "quantized": quantized, "load_rss_mib": load_rss_mib}
     (out_dir / f"{mode}-rank{ctx.rank}.json").write_text(json.dumps(record))
     freetune.distributed.cleanup()
+
+
+def _rss_mib() -> float:
+    """This process's resident memory now (Linux)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
 
 
 if __name__ == "__main__":

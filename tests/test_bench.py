@@ -10,11 +10,12 @@ from conftest import REPO
 def test_bench_tiny_runs_all_three_paths_and_writes_the_report(tmp_path):
     out = tmp_path / "bench.json"
     done = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--tiny", "--work", str(tmp_path),
-                           "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=REPO)
+                           "--out", str(out), "--variants", "fused:lora_kernel=fused", "--profile"],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
     runs = {r["run"]: r for r in report["runs"]}
-    assert set(runs) == {"free_tier", "plain_best", "freetune"}
+    assert set(runs) == {"free_tier", "plain_best", "freetune", "freetune[fused]"}
     for r in runs.values():
         assert r["tokens_per_s"] > 0 and r["step_s"] > 0 and r["mfu_6n"] > 0 and len(r["losses"]) >= 2
     # The free-tier recipe is the plain stack at 1 x 8 with checkpointing; freetune's plan concatenates the
@@ -30,3 +31,8 @@ def test_bench_tiny_runs_all_three_paths_and_writes_the_report(tmp_path):
     first = runs["freetune"]["losses"][0], runs["plain_best"]["losses"][0]
     assert abs(first[0] - first[1]) < 0.01 * first[1], first
     assert "tok/s" in done.stdout and "freetune" in done.stdout
+    # --variants changed one plan choice; --profile counted the ATen calls of one step after the measured ones:
+    # the fused LoRA layers make fewer of them than peft's (the CPU plan keeps peft's).
+    assert runs["freetune"]["lora_kernel"] == "peft" and runs["freetune[fused]"]["lora_kernel"] == "fused"
+    assert 0 < runs["freetune[fused]"]["profile"]["aten_calls"] < runs["freetune"]["profile"]["aten_calls"]
+    assert "profile of step" in done.stdout

@@ -7,8 +7,9 @@ Nothing is mocked: real torchrun agents, a real rendezvous, real training throug
 
 FSDP: accelerate's FSDP plugin refuses a machine without an accelerator, so the Trainer's FSDP run is checked on
 GPUs (scripts/fsdp_check.py, reports/gpu/fsdp_check.json). Here: the model that freetune.model loads for layout
-"fsdp" is sharded by torch's FSDP over 2 CPU processes with the Trainer's wrap policy and trains exactly like one
-process (tests/fsdp_driver.py); the plan picks FSDP from the memory estimate; the Trainer gets FSDP1 settings.
+"fsdp" is read by rank 0 alone (rank 1 builds the same modules without the weights: one copy in host memory),
+sharded by torch's FSDP over 2 CPU processes with the Trainer's wrap policy, and trains exactly like one process
+(tests/fsdp_driver.py); the plan picks FSDP from the memory estimate; the Trainer gets FSDP1 settings.
 """
 
 from __future__ import annotations
@@ -162,25 +163,36 @@ def test_killing_one_host_fails_the_whole_job_quickly(hosts, tiny_model_dir):
     assert "FAILED on node 0" in first.text(), first.text()[-3000:]
 
 
-def test_fsdp_shards_the_4bit_model_and_trains_like_one_process(tmp_path, tiny_model_dir):
+def test_fsdp_loads_once_shards_the_4bit_model_and_trains_like_one_process(tmp_path):
+    from freetune.fixtures import cached_tiny_model
+
+    # Wider than the usual tiny model (hidden 256: ~40 M parameters, 153 MiB in fp32, mostly the embedding), so
+    # that the weights stand out of a process's memory noise.
+    model_dir = cached_tiny_model(hidden_size=256)
     driver = REPO / "tests" / "fsdp_driver.py"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     sharded = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                              str(driver), str(tiny_model_dir), "fsdp", str(tmp_path)],
+                              str(driver), str(model_dir), "fsdp", str(tmp_path)],
                              capture_output=True, text=True, env=env, timeout=600)
     assert sharded.returncode == 0, sharded.stdout[-3000:] + sharded.stderr[-3000:]
     # The recipe's usual path (uint8 storage, fp32 norms) in one process on all the rows.
-    plain = subprocess.run([sys.executable, str(driver), str(tiny_model_dir), "plain", str(tmp_path)],
+    plain = subprocess.run([sys.executable, str(driver), str(model_dir), "plain", str(tmp_path)],
                            capture_output=True, text=True, env=env, timeout=600)
     assert plain.returncode == 0, plain.stdout[-3000:] + plain.stderr[-3000:]
     ranks = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("fsdp-rank*.json"))]
     fsdp = ranks[0]
     one = json.loads((tmp_path / "plain-rank0.json").read_text())
     assert sorted(r["rank"] for r in ranks) == [0, 1]
+    # One copy of the weights in host memory: rank 0 read and quantised them, rank 1 built the same modules
+    # without reading them (its parameters got rank 0's values by broadcast, after loading).
+    weights_mib = one["total"] * 4 / 2**20
+    assert ranks[0]["load_rss_mib"] > 0.6 * weights_mib, ranks
+    assert ranks[1]["load_rss_mib"] < 0.15 * weights_mib, ranks
     # 4-bit weights stored in the compute dtype (FSDP shards floating point only); each rank holds half.
     assert fsdp["quantized"] == {"Params4bit": "torch.float32"} and one["quantized"] == {"Params4bit": "torch.uint8"}
     assert all(r["held"] <= 0.55 * r["total"] for r in ranks), ranks
-    # Same losses, step after step: the sharded 4-bit forward, the reduced gradients and the updates are right.
+    # Same losses, step after step: the broadcast weights, the sharded 4-bit forward, the reduced gradients and
+    # the updates are right.
     assert fsdp["losses"] == pytest.approx(one["losses"], rel=1e-5)
     assert fsdp["losses"][-1] < fsdp["losses"][0]
 

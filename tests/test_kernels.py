@@ -1,0 +1,176 @@
+"""freetune.kernels: the fused QLoRA layer computes what peft's layer computes, and the plan's speed choices.
+
+On a CPU bitsandbytes' 4-bit weights, dequantisation and peft's LoRA layers are the real ones (the same code a
+GPU runs, CPU kernels underneath). fp32 compute makes the comparison exact up to summation order; bf16 shows the
+rounding a GPU run sees.
+"""
+
+import pytest
+import torch
+
+from freetune import kernels
+from freetune.errors import FreetuneError
+from freetune.preflight import GPU, Hardware, make_plan
+
+
+def quantized_lora_model(model_dir, dtype, dropout=0.0, **lora):
+    """The tiny model in NF4 with LoRA on every linear layer and non-zero B (as after some training)."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    torch.manual_seed(0)
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                               bnb_4bit_compute_dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, quantization_config=quant,
+                                                 attn_implementation="sdpa")
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=dropout, target_modules="all-linear",
+                                             task_type="CAUSAL_LM", **lora))
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.05)
+    model.train()
+    return model
+
+
+def loss_and_grads(model, ids, autocast_dtype=None):
+    positions = torch.arange(ids.shape[1] // 4).repeat(4)[None]  # four packed rows, as padding-free batches are
+    with torch.autocast("cpu", dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        out = model(input_ids=ids, position_ids=positions, labels=ids)
+    out.loss.backward()
+    return out.loss.item(), {n: p.grad.float().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 0.05)])
+def test_fused_layers_give_peft_loss_and_gradients(tiny_model_dir, dtype, tolerance):
+    ids = torch.randint(3, 500, (1, 64), generator=torch.Generator().manual_seed(1))
+    autocast = dtype if dtype != torch.float32 else None
+    reference = loss_and_grads(quantized_lora_model(tiny_model_dir, dtype), ids, autocast)
+
+    model = quantized_lora_model(tiny_model_dir, dtype)
+    fused, seen = kernels.use_fused_lora(model)
+    assert fused == seen > 0
+    assert kernels.use_fused_lora(model) == (fused, seen)  # idempotent
+    got = loss_and_grads(model, ids, autocast)
+
+    assert got[0] == pytest.approx(reference[0], rel=1e-5 if dtype == torch.float32 else 1e-3)
+    assert got[1].keys() == reference[1].keys()
+    errors = sorted(((got[1][n] - g).norm() / g.norm()).item() for n, g in reference[1].items())
+    # fp32: the same numbers up to summation order. bf16: rounding in another order; the median stays small.
+    assert errors[-1] < tolerance, errors[-5:]
+    if dtype == torch.float32:
+        assert errors[len(errors) // 2] < 1e-5
+
+
+def test_fused_dropout_uses_one_mask_for_output_and_gradients(tiny_model_dir):
+    """With dropout, the layer must drop the same inputs in the forward and in the gradients. The reference
+    draws the same mask (same seed, same kernel) and differentiates plain tensor code with autograd."""
+    import bitsandbytes.functional as bnbf
+
+    p = 0.3
+    model = quantized_lora_model(tiny_model_dir, torch.float32, dropout=p)
+    layer = model.get_base_model().model.layers[0].mlp.down_proj
+    assert kernels.fusable(layer) == ""
+    kernels.use_fused_lora(model)
+    name = layer.active_adapters[0]
+    a, b, s = layer.lora_A[name].weight, layer.lora_B[name].weight, layer.scaling[name]
+    x = torch.randn(2, 9, layer.in_features, generator=torch.Generator().manual_seed(2))
+    dy = torch.randn(2, 9, layer.out_features, generator=torch.Generator().manual_seed(3))
+
+    x1 = x.clone().requires_grad_()
+    torch.manual_seed(7)
+    y = layer(x1)
+    (y * dy).sum().backward()
+    got = (y.detach(), x1.grad, a.grad.clone(), b.grad.clone())
+    a.grad = b.grad = None
+
+    x2 = x.clone().requires_grad_()
+    torch.manual_seed(7)
+    dropped, mask = torch.native_dropout(x2.reshape(-1, x.shape[-1]), p, True)
+    w = bnbf.dequantize_4bit(layer.base_layer.weight, layer.base_layer.weight.quant_state)
+    ref = x2.reshape(-1, x.shape[-1]) @ w.t() + s * (dropped @ a.t()) @ b.t()
+    ref = ref.reshape(2, 9, -1)
+    (ref * dy).sum().backward()
+    want = (ref.detach(), x2.grad, a.grad, b.grad)
+
+    for g, r in zip(got, want):
+        assert torch.allclose(g, r, rtol=1e-4, atol=1e-5), (g - r).abs().max()
+    kept = mask.float().mean().item()
+    assert 0.55 < kept < 0.85  # about 1 - p of the inputs reach the adapter
+
+
+def test_evaluation_and_unsupported_layers_keep_peft_forward(tiny_model_dir):
+    model = quantized_lora_model(tiny_model_dir, torch.float32)
+    kernels.use_fused_lora(model)
+    layer = model.get_base_model().model.layers[0].self_attn.q_proj
+    x = torch.randn(1, 5, layer.in_features)
+    model.eval()  # generation: bitsandbytes' own inference kernels, through peft's forward
+    with torch.no_grad():
+        assert torch.equal(layer(x), type(layer).forward(layer, x))
+
+    dora = quantized_lora_model(tiny_model_dir, torch.float32, use_dora=True)
+    assert "variant" in kernels.fusable(dora.get_base_model().model.layers[0].mlp.up_proj)
+    assert kernels.use_fused_lora(dora)[0] == 0
+
+
+def test_compiled_layers_train_like_eager_ones(tiny_model_dir):
+    """compile_layers traces the decoder layers with the fused LoRA layers inside (aot_eager: dynamo and the
+    autograd graph as the GPU's inductor sees them, without a C compiler) over two different lengths."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    eager = quantized_lora_model(tiny_model_dir, torch.float32)
+    kernels.use_fused_lora(eager)
+    compiled = quantized_lora_model(tiny_model_dir, torch.float32)
+    kernels.use_fused_lora(compiled)
+    torch._dynamo.reset()
+    counters.clear()
+    assert kernels.compile_layers(compiled, backend="aot_eager") == len(compiled.get_base_model().model.layers)
+    torch._dynamo.config.suppress_errors = False  # here a layer that fails to compile must fail the test
+    try:
+        for length in (32, 48, 40):  # padding-free batches change length every step: dynamic shapes
+            ids = torch.randint(3, 500, (1, length), generator=torch.Generator().manual_seed(length))
+            want = loss_and_grads(eager, ids)
+            got = loss_and_grads(compiled, ids)
+            assert got[0] == pytest.approx(want[0], rel=1e-5)
+            for name, grad in want[1].items():
+                assert torch.allclose(got[1][name], grad, rtol=1e-3, atol=1e-6), name
+            eager.zero_grad()
+            compiled.zero_grad()
+    finally:
+        torch._dynamo.reset()
+    # Whole layers were captured, the fused layers inside them, with no graph break and no recompile per length.
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert 1 <= counters["stats"]["unique_graphs"] <= 2
+    # After training the layers run eagerly again (generation has other shapes).
+    assert kernels.uncompile_layers(compiled) == len(compiled.get_base_model().model.layers)
+    assert kernels.uncompile_layers(compiled) == 0
+
+
+def gpu(name, capability, memory_gib, count=1):
+    return Hardware(gpus=[GPU(name, capability, memory_gib)] * count, arch_list=["sm_75", "sm_80", "sm_90"],
+                    bf16_supported=capability >= (8, 0), torch="2.13.0", cuda="12.8", disk_free_gib={"/w": 60.0},
+                    ram_total_gib=30.0, ram_available_gib=28.0)
+
+
+def test_the_plan_picks_the_fast_kernels_on_a_gpu_and_plain_ones_on_a_cpu():
+    t4 = make_plan(gpu("Tesla T4", (7, 5), 14.7), model_shape="qwen2.5-1.5b")
+    assert (t4.lora_kernel, t4.compile, t4.optimizer) == ("fused", True, "adamw_torch_fused")
+    assert "MiB more" in t4.reasons["optimizer"] and "LoRA kernel" in t4.table() and "compile" in t4.table()
+
+    cpu = make_plan(Hardware(ram_total_gib=16.0, ram_available_gib=12.0), model_shape="qwen2.5-1.5b")
+    assert (cpu.lora_kernel, cpu.compile, cpu.optimizer) == ("peft", False, "adamw_torch")
+
+    # A big adapter on a small card: fused AdamW's fp32 state is too large a share; the 8-bit one is kept.
+    small = make_plan(gpu("GTX 1650", (7, 5), 3.8), model_shape="qwen3-8b", lora_rank=64)
+    assert small.optimizer == "paged_adamw_8bit" and "over 2%" in small.reasons["optimizer"]
+
+    off = make_plan(gpu("Tesla T4", (7, 5), 14.7), model_shape="qwen2.5-1.5b", compile="off",
+                    optimizer="paged_adamw_8bit")
+    assert (off.compile, off.optimizer) == (False, "paged_adamw_8bit")
+    with pytest.raises(FreetuneError, match="compile"):
+        make_plan(gpu("Tesla T4", (7, 5), 14.7), compile="yes")
+
+    # FSDP flattens the 4-bit weights: peft's layers, eager.
+    sharded = make_plan(gpu("NVIDIA A100", (8, 0), 79.0, count=2), model_shape="qwen2.5-1.5b", layout="fsdp")
+    assert (sharded.lora_kernel, sharded.compile) == ("peft", False)
