@@ -5,9 +5,10 @@ same LoRA (rank 16, all linear layers, NF4 base), three runs per mode:
   free_tier   the usual free-tier recipe on the plain stack: TRL's SFTTrainer as it comes, batch 1 x
               accumulation 8, gradient checkpointing, paged 8-bit AdamW;
   plain_best  the plain stack at the best setting the same memory cap allows: the micro-batch and checkpointing
-              freetune's plan picks for that cap, but padded batches, sdpa and TRL's own per-step metrics;
-  freetune    freetune's default path: make_plan (micro-batch, checkpointing, batching, attention) ->
-              freetune.model -> freetune.train.train.
+              freetune's plan picks for that cap, but padded batches, sdpa, peft's LoRA layers, eager layers,
+              paged 8-bit AdamW and TRL's own per-step metrics;
+  freetune    freetune's default path: make_plan (micro-batch, checkpointing, batching, attention, LoRA kernel,
+              compile, optimizer) -> freetune.model -> freetune.train.train.
 Modes (each run in fresh processes, one at a time, so the memory cap, the peak counters and the host's CPUs
 belong to one run; --parallel runs two single-GPU runs at once, one per GPU, faster but skewed):
   uncapped    Qwen2.5-1.5B shape, bf16, the whole GPU;
@@ -22,8 +23,10 @@ token (N = the matmul weights a token passes: decoder linear layers + lm_head; 4
 needs, no weight gradients; attention's own FLOPs and checkpointing's recompute are not counted) against the
 bf16 matmul rate this script measures on the GPU.
 
-Usage (GPU machine):  python scripts/bench.py --out reports/gpu/bench.json   (~12 min on two H200s; split it
-                      with --modes uncapped / --modes t4,4gb --no-ddp to fit 10-minute calls)
+Usage (GPU machine):  python scripts/bench.py --out reports/gpu/bench.json   (~17 min on two H200s, the compiled
+                      runs compile for ~100 s each; split it to fit 10-minute calls: --modes uncapped --no-ddp,
+                      --modes t4,4gb --no-ddp, then --modes uncapped --runs freetune --ddp-only --merge FIRST.json)
+Where the time goes:  --profile (torch.profiler over one extra step), --variants 'eager:compile=false;...'.
 CPU smoke test:       python scripts/bench.py --tiny --out /tmp/bench.json   (tiny shape, a few steps, no caps)
 """
 
