@@ -14,8 +14,8 @@ about it here (issue 8 has the measurements):
   (aten._flash_attention_forward given TRL's cu_seq_lens, else torch.nn.attention.varlen.varlen_attn): each row
   attends only to itself, no mask is built into the kernel and nothing is computed across rows. It is checked
   against PyTorch's sdpa once per process (`varlen_works`) before the plan picks it; anywhere else the same
-  registered attention
-  falls back to sdpa with transformers' block-diagonal mask (correct; tests/test_fast_path.py runs it on a CPU).
+  registered attention falls back to sdpa with transformers' block-diagonal mask (correct; tests/test_fast_path.py
+  runs it on a CPU).
 - Host round trips. TRL's compute_loss calls .item() and gathers across ranks three times per micro-batch
   for its entropy / token-accuracy / token-count metrics: a device sync each time, which serialises the
   CPU with the GPU, and under DDP three extra collectives per micro-batch. `trainer_class` keeps the same
@@ -98,14 +98,13 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     cu = kwargs.get("cu_seq_lens_q")
-    if (cu is not None and query.is_cuda and query.shape[0] == 1 and dropout == 0.0
-            and query.dtype in (torch.float16, torch.bfloat16) and varlen_backend(query.device.index or 0)):
+    backend = varlen_backend(query.device.index or 0) if cu is not None and query.is_cuda else ""
+    if (backend and query.shape[0] == 1 and dropout == 0.0 and query.dtype in (torch.float16, torch.bfloat16)):
         q = query[0].transpose(0, 1)  # (batch 1, heads, tokens, dim) -> (tokens, heads, dim)
         k = key[0].transpose(0, 1)
         v = value[0].transpose(0, 1)
         max_len = kwargs.get("max_length_q") or int(cu.diff().max())
-        out = _varlen_call(q, k, v, cu.to(device=q.device, dtype=torch.int32), int(max_len), scaling,
-                           varlen_backend(query.device.index or 0))
+        out = _varlen_call(q, k, v, cu.to(device=q.device, dtype=torch.int32), int(max_len), scaling, backend)
         return out.unsqueeze(0), None  # (1, tokens, heads, dim), as sdpa_attention_forward returns
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   is_causal=is_causal, **kwargs)
@@ -123,13 +122,11 @@ def register_attention() -> str:
     return VARLEN_ATTENTION
 
 
-@functools.cache
 def varlen_backend(device_index: int = 0) -> str:
     """The first of VARLEN_BACKENDS that passes `varlen_works`'s check on this GPU, or ""."""
     return _probe(device_index)[0]
 
 
-@functools.cache
 def varlen_works(device_index: int = 0) -> tuple[bool, str]:
     """(usable, why): run the variable-length attention forward and backward on two short rows with grouped-query
     heads and compare with sdpa row by row; any error or mismatch means no (the plan then groups by length)."""
@@ -139,6 +136,7 @@ def varlen_works(device_index: int = 0) -> tuple[bool, str]:
 
 @functools.cache
 def _probe(device_index: int) -> tuple[str, str]:
+    """(backend or "", why), once per process and GPU."""
     import torch
 
     if not torch.cuda.is_available():

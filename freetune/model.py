@@ -119,7 +119,7 @@ def load_base_model(model_id: str, plan: Plan, *, local_rank: int = 0, gradient_
         # across GPUs, which runs them one after another, slower than one GPU.
         kwargs["device_map"] = {"": local_rank}
     try:
-        if fsdp and _distributed():
+        if fsdp and quantize and _distributed():  # unquantised models: transformers' own rank-0 loading does it
             model = _load_fsdp_rank0_only(model_id, kwargs)
         else:
             model = AutoModelForCausalLM.from_pretrained(model_id, **kwargs)
@@ -199,7 +199,9 @@ def adapter_dtype_guard(dtype: str = "float32"):
 def _distributed() -> bool:
     import torch.distributed as dist
 
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    from freetune.distributed import context
+
+    return context().distributed and dist.is_available() and dist.is_initialized()
 
 
 def _load_fsdp_rank0_only(model_id: str, kwargs: dict):
@@ -218,8 +220,9 @@ def _load_fsdp_rank0_only(model_id: str, kwargs: dict):
       on these ranks, so the OS commits no pages for it);
     - FSDP (sync_module_states=True, train.fsdp_settings) moves each wrapped layer to the GPU and broadcasts rank
       0's values into it, so all ranks start from rank 0's weights.
-    Tied weights (lm_head = embed_tokens) are tied as from_pretrained ties them. tests/test_multihost.py runs it on 2 CPU processes: the
-    ranks without the weights grow by a fraction of rank 0's memory and train to the same losses.
+    Tied weights (lm_head = embed_tokens) are tied as from_pretrained ties them. tests/test_multihost.py runs it
+    on 2 CPU processes: the ranks without the weights grow by a fraction of rank 0's memory and train to the
+    same losses.
     """
     import torch
     import torch.distributed as dist

@@ -24,7 +24,7 @@ from freetune.distributed import COLLECTIVE_TIMEOUT_S, WriteTracer, check_replic
 from freetune.errors import FreetuneError
 from freetune.model import adapter_dtype_guard
 from freetune.platform import Paths
-from freetune.preflight import Plan
+from freetune.preflight import Plan, choose_optimizer
 
 SUMMARY_FILE = "run_summary.json"
 HISTORY_FILE = "log_history.json"
@@ -72,10 +72,11 @@ def make_config(paths: Paths, plan: Plan, *, max_steps: int, micro_batch: int, g
 
     if optimizer == "auto":
         optimizer = plan.optimizer  # the plan's choice (freetune.preflight.choose_optimizer)
-    if plan.device == "cpu" and ("paged" in optimizer or "8bit" in optimizer):
-        # bitsandbytes' paged/8-bit optimisers need CUDA; on a CPU the same run uses plain AdamW.
-        print0(f"Optimizer {optimizer} needs a GPU: using adamw_torch on the CPU.")
-        optimizer = "adamw_torch"
+    if plan.device == "cpu":
+        asked = optimizer
+        optimizer, _ = choose_optimizer(optimizer, plan.device, None, None, 0, "all-linear")
+        if optimizer != asked:  # bitsandbytes' paged/8-bit optimisers need CUDA
+            print0(f"Optimizer {asked} needs a GPU: using {optimizer} on the CPU.")
     if gradient_checkpointing is None:
         gradient_checkpointing = plan.gradient_checkpointing
     config = SFTConfig(
@@ -137,7 +138,7 @@ def fsdp_settings(plan: Plan) -> dict:
       Trainer adds peft's policy that wraps each LoRA layer on its own (LoRA is fp32, the layer 16-bit).
     - use_orig_params=False: the LoRA layers are their own units, so no unit mixes frozen and trainable weights.
     - sync_module_states + cpu_ram_efficient_loading: rank 0's weights are broadcast to every rank, so all
-      start identical (each rank still quantises its own copy: transformers loads quantised models whole).
+      start identical (rank 0 alone read and quantised them: freetune.model._load_fsdp_rank0_only).
     - FULL_STATE_DICT: a checkpoint's adapter is gathered to rank 0 and written by it alone, the same files
       as a DDP run's (freetune.checkpoint's complete-marker contract is unchanged).
     """
