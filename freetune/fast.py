@@ -10,6 +10,12 @@ about it here (issue 8 has the measurements):
   Where the attention kernel would have to compute that mask densely over the whole packed row (a T4, or no
   variable-length kernel), `grouped` is chosen instead: padded batches of similar lengths
   (transformers' LengthGroupedSampler), which keeps the padding small and the rows apart.
+- Ranks waiting for each other (DDP, FSDP). The gradients are averaged once per optimizer step, so every rank
+  waits for the one with the most tokens. With 8 random rows of 300-1,200 tokens per rank, two ranks' token
+  counts differ by ~15% of the mean, so the slower one has ~7% more; the 2-GPU run on an H200 reached 89% of
+  twice one GPU's rate. `RankBalancedSampler` deals each optimizer
+  step's rows (the same random rows any GPU count would take) out to the ranks so their token counts are
+  equal to within a row, each micro-batch still holding exactly micro_batch rows (memory as planned).
 - The attention kernel. On sm80+ the packed rows go through PyTorch's variable-length FlashAttention-2
   (aten._flash_attention_forward given TRL's cu_seq_lens, else torch.nn.attention.varlen.varlen_attn): each row
   attends only to itself, no mask is built into the kernel and nothing is computed across rows. It is checked
@@ -41,19 +47,23 @@ BATCHING = ("padding_free", "grouped", "padded")
 
 # ---------------------------------------------------------------------------------------------- attention --
 
-@functools.cache
+# What every attention call reads runs inside the compiled decoder layers (freetune.kernels.compile_layers), so it
+# reads plain module dicts filled beforehand, never a functools.cache'd function: dynamo ignores the cache and
+# traces the function itself. Calling the cached probe from the attention function ran the whole probe in every
+# layer of every step (an H200 run dropped from 14,258 to 6,798 tokens/s, its peak memory 21 -> 41 GiB).
+_CHOSEN: dict = {}   # GPU index -> (backend or "", why): filled by varlen_works, eagerly (plan, train)
+_VARLEN: dict = {}   # "fn": torch.nn.attention.varlen.varlen_attn or None, "params": its keyword names
+
+
 def _varlen_fn():
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:  # torch < 2.10
-        return None
-    return varlen_attn
-
-
-@functools.cache
-def _varlen_params() -> frozenset:
-    """The keyword arguments this torch's varlen_attn takes (read once: it is called in every attention layer)."""
-    return frozenset(inspect.signature(_varlen_fn()).parameters)
+    if "fn" not in _VARLEN:
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+        except ImportError:  # torch < 2.10
+            varlen_attn = None
+        _VARLEN["fn"] = varlen_attn
+        _VARLEN["params"] = frozenset(inspect.signature(varlen_attn).parameters) if varlen_attn else frozenset()
+    return _VARLEN["fn"]
 
 
 # Two ways to the same kernel family, tried in this order by `varlen_works`:
@@ -72,8 +82,7 @@ def _varlen_call(q, k, v, cu_seq, max_len: int, scale, backend: str = "flash"):
     if backend == "flash":
         return torch.ops.aten._flash_attention_forward(q, k, v, cu_seq, cu_seq, max_len, max_len, 0.0, True, False,
                                                        scale=scale)[0]
-    fn = _varlen_fn()
-    params = _varlen_params()
+    fn, params = _VARLEN["fn"], _VARLEN["params"]  # set by the probe, which ran before any call of this backend
     kwargs = {}
     if "is_causal" in params:       # torch 2.10/2.11
         kwargs["is_causal"] = True
@@ -123,20 +132,27 @@ def register_attention() -> str:
 
 
 def varlen_backend(device_index: int = 0) -> str:
-    """The first of VARLEN_BACKENDS that passes `varlen_works`'s check on this GPU, or ""."""
-    return _probe(device_index)[0]
+    """The first of VARLEN_BACKENDS that passes `varlen_works`'s check on this GPU, or "". Called in every
+    attention layer: a dict lookup once the GPU is probed (train() probes before it compiles the layers)."""
+    chosen = _CHOSEN.get(device_index)
+    if chosen is None:
+        varlen_works(device_index)
+        chosen = _CHOSEN[device_index]
+    return chosen[0]
 
 
 def varlen_works(device_index: int = 0) -> tuple[bool, str]:
     """(usable, why): run the variable-length attention forward and backward on two short rows with grouped-query
-    heads and compare with sdpa row by row; any error or mismatch means no (the plan then groups by length)."""
-    backend, why = _probe(device_index)
+    heads and compare with sdpa row by row; any error or mismatch means no (the plan then groups by length).
+    Once per process and GPU."""
+    if device_index not in _CHOSEN:
+        _CHOSEN[device_index] = _probe(device_index)
+    backend, why = _CHOSEN[device_index]
     return bool(backend), why
 
 
-@functools.cache
 def _probe(device_index: int) -> tuple[str, str]:
-    """(backend or "", why), once per process and GPU."""
+    """(backend or "", why)."""
     import torch
 
     if not torch.cuda.is_available():
@@ -218,6 +234,96 @@ def choose_batching(policy: str, gpus_capability: list[tuple[int, int]], micro_b
                            "FlashAttention, and a packed row's dense mask would cost more than the padding")
 
 
+# ------------------------------------------------------------------------------------------------ sampler --
+
+def choose_sampler(batching: str, processes: int) -> tuple[str, str]:
+    """(sampler, why): which rows each rank gets in each micro-batch."""
+    if processes > 1:
+        return "rank_balanced", (f"each optimizer step's rows dealt to the {processes} ranks by length, equal "
+                                 f"tokens each: no rank waits for a longer one at the gradient all-reduce")
+    if batching == "grouped":
+        return "length_grouped", "rows of similar length share a padded micro-batch"
+    return "random", "rows in random order"
+
+
+def step_rows(order: list[int], lengths: list[int], ranks: int, grad_accum: int) -> list[list[list[int]]]:
+    """One optimizer step's rows, `order` (dataset indices), dealt out as [rank][micro-batch] -> indices.
+
+    Longest first, tier by tier (one row per rank per tier), the rank with the fewest tokens so far takes the
+    tier's longest row: every rank ends within one row's length of the others. Each rank's rows are then cut into
+    grad_accum micro-batches in that order, so a micro-batch holds rows of similar length (little padding), the
+    same micro-batch of every rank holds rows of the same tiers, and every micro-batch has the same number of rows
+    (len(order) / (ranks * grad_accum), the planned micro-batch)."""
+    by_length = sorted(order, key=lambda i: (-lengths[i], i))
+    rows = [[] for _ in range(ranks)]
+    tokens = [0] * ranks
+    for start in range(0, len(by_length), ranks):
+        takers = sorted(range(ranks), key=lambda r: (tokens[r], r))
+        for index, rank in zip(by_length[start:start + ranks], takers):
+            rows[rank].append(index)
+            tokens[rank] += lengths[index]
+    out = []
+    for mine in rows:
+        cuts = [round(k * len(mine) / grad_accum) for k in range(grad_accum + 1)]
+        out.append([mine[a:b] for a, b in zip(cuts, cuts[1:])])
+    return out
+
+
+@functools.cache
+def _rank_balanced_sampler_class():
+    # A subclass of transformers' BatchRebalanceSampler: the Trainer hands that class to the DataLoader as its
+    # batch_sampler and keeps accelerate from sharding it again (it is rank-aware already). Its own assignment
+    # sizes micro-batches by a padded-cost model (more rows where rows are short), which would break the plan's
+    # memory budget; this one keeps every micro-batch at micro_batch rows.
+    import math
+
+    import torch
+    from transformers.trainer_pt_utils import BatchRebalanceSampler, get_length_grouped_indices
+
+    class RankBalancedSampler(BatchRebalanceSampler):
+        """Every rank draws the same random permutation (same seed, no communication) and takes its share of each
+        optimizer step's rows from `step_rows`. group_by_length: the permutation is length-grouped first (padded
+        batches on GPUs without a variable-length kernel), so a step's rows have similar lengths."""
+
+        def __init__(self, *args, group_by_length: bool = False, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.group_by_length = group_by_length
+
+        def __iter__(self):
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            n = len(self.lengths)
+            if self.group_by_length:
+                order = get_length_grouped_indices(self.lengths, self.effective_batch_size, generator=g)
+            elif self.shuffle:
+                order = torch.randperm(n, generator=g).tolist()
+            else:
+                order = list(range(n))
+            size = self.effective_batch_size
+            for step in range(self.num_global_batches):
+                rows = order[step * size:(step + 1) * size]
+                short = self.dp_size * self.grad_accum - len(rows)
+                if short > 0:  # the last, partial step (drop_last off): at least one row per micro-batch
+                    rows = rows + (order * math.ceil(short / n))[:short]
+                yield from self._yield_global_batch(rows)
+
+        def _assign(self, indices, lengths):
+            return step_rows(list(indices), self.lengths, self.dp_size, self.grad_accum)
+
+    return RankBalancedSampler
+
+
+def rank_balanced_sampler(dataset, args, group_by_length: bool = False):
+    """The sampler for a Trainer's training set under torchrun (args: its TrainingArguments)."""
+    lengths = [len(ids) for ids in dataset["input_ids"]]
+    world = max(1, args.world_size)
+    return _rank_balanced_sampler_class()(
+        lengths=lengths, effective_batch_size=args.train_batch_size * args.gradient_accumulation_steps * world,
+        dp_size=world, grad_accum=args.gradient_accumulation_steps, rank=args.process_index if world > 1 else 0,
+        seed=args.data_seed if args.data_seed is not None else args.seed, drop_last=args.dataloader_drop_last,
+        group_by_length=group_by_length)
+
+
 # ------------------------------------------------------------------------------------------------ trainer --
 
 def apply_batching(trainer, batching: str) -> None:
@@ -270,6 +376,14 @@ def trainer_class(base):
                 host_seen = 0 if padded else inputs["position_ids"].size(1)
                 self._host = (self._host[0] + host_seen, self._host[1] + inputs["input_ids"].numel())
             return (loss, outputs) if return_outputs else loss
+
+        def _get_train_sampler(self, train_dataset=None):
+            dataset = self.train_dataset if train_dataset is None else train_dataset
+            if getattr(self.args, "freetune_sampler", "") == "rank_balanced" and "input_ids" in getattr(
+                    dataset, "column_names", ()):
+                return rank_balanced_sampler(dataset, self.args,
+                                             group_by_length=getattr(self.args, "freetune_batching", "") == "grouped")
+            return super()._get_train_sampler(train_dataset)
 
         def log(self, logs, start_time=None):
             if self._sums is not None and self.model.training:

@@ -91,19 +91,31 @@ def _function():
 
 
 _FN = None
+_APPLY = None
 
 
 def _fn():
-    """The autograd.Function class, built once, outside any compiled region (dynamo cannot trace a class body)."""
-    global _FN
+    """The autograd.Function class, built once, outside any compiled region (dynamo cannot trace a class body).
+
+    Its apply is kept out of torch.compile's graphs (torch.compiler.disable): inside a compiled decoder layer it
+    runs eagerly between the compiled pieces, as in the measured runs of the README. Traced into the layer's
+    graph instead, with gradient checkpointing on (the T4 plan), the checkpoint's pack hook recursed without end
+    in bitsandbytes' Params4bit.__torch_function__ (RecursionError on H200s), and without checkpointing the step
+    was ~13% slower (5,901 vs 6,798 tokens/s on an H200, both runs slowed by another bug: indicative)."""
+    global _FN, _APPLY
     if _FN is None:
+        import torch
+
         _FN = _function()
+        _APPLY = torch.compiler.disable(_FN.apply, recursive=True)
     return _FN
 
 
 def qlora_linear(x, weight, quant_state, bias, lora_a, lora_b, scaling: float, dropout_p: float):
     """y = base(x) + scaling * lora_b(lora_a(dropout(x))) for a 4-bit base weight, as one autograd node."""
-    return (_FN or _fn()).apply(x, weight, quant_state, bias, lora_a, lora_b, scaling, dropout_p)
+    if _APPLY is None:
+        _fn()
+    return _APPLY(x, weight, quant_state, bias, lora_a, lora_b, scaling, dropout_p)
 
 
 def _fused_forward(self, x, *args, **kwargs):

@@ -13,6 +13,7 @@ Why each step:
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from freetune.errors import FreetuneError
@@ -204,6 +205,10 @@ def _distributed() -> bool:
     return context().distributed and dist.is_available() and dist.is_initialized()
 
 
+# Seconds the other ranks wait for rank 0 to load the model (download included) under FSDP.
+LOAD_TIMEOUT_S = int(os.environ.get("FREETUNE_LOAD_TIMEOUT_S", str(2 * 3600)))
+
+
 def _load_fsdp_rank0_only(model_id: str, kwargs: dict):
     """The 4-bit model for FSDP with one copy of its weights in host memory for the whole job, not one per rank.
 
@@ -224,26 +229,43 @@ def _load_fsdp_rank0_only(model_id: str, kwargs: dict):
     on 2 CPU processes: the ranks without the weights grow by a fraction of rank 0's memory and train to the
     same losses.
     """
+    from datetime import timedelta
+
     import torch
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    if dist.get_rank() == 0:
-        model = AutoModelForCausalLM.from_pretrained(model_id, **kwargs)
-        spec = {"layers": {}, "attributes": {}}
-        for name, module in model.named_modules():
-            weight = getattr(module, "weight", None)
-            if type(weight).__name__ == "Params4bit":
-                spec["layers"][name] = dict(shape=tuple(weight.shape), dtype=str(weight.dtype).removeprefix("torch."),
-                                            bias=module.bias is not None,
-                                            state={k: v.cpu() if torch.is_tensor(v) else v
-                                                   for k, v in weight.quant_state.as_dict(packed=True).items()})
-        spec["attributes"] = {k: getattr(model, k) for k in _QUANTIZED_MODEL_ATTRIBUTES if hasattr(model, k)}
-        dist.broadcast_object_list([spec], src=0)
-        return model
-    received = [None]
-    dist.broadcast_object_list(received, src=0)
+    # The other ranks wait while rank 0 downloads and quantises, which can take far longer than the job's collective
+    # timeout (a few minutes: a dead rank must end the job quickly). So they wait on a CPU (gloo) group of their
+    # own with a loading-sized timeout; a rank that dies meanwhile still ends the job through torchrun. The spec
+    # travels through host memory, not through a GPU that may be near its cap.
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=LOAD_TIMEOUT_S))
+    try:
+        if dist.get_rank() == 0:
+            model = AutoModelForCausalLM.from_pretrained(model_id, **kwargs)
+            dist.broadcast_object_list([_quantized_spec(model)], src=0, group=group)
+            return model
+        received = [None]
+        dist.broadcast_object_list(received, src=0, group=group)
+    finally:
+        dist.destroy_process_group(group)
     return _skeleton_from_spec(model_id, kwargs, received[0])
+
+
+def _quantized_spec(model) -> dict:
+    """What the other ranks need to rebuild rank 0's 4-bit layers without the weights (see above)."""
+    import torch
+
+    spec = {"layers": {}, "attributes": {}}
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if type(weight).__name__ == "Params4bit":
+            spec["layers"][name] = dict(shape=tuple(weight.shape), dtype=str(weight.dtype).removeprefix("torch."),
+                                        bias=module.bias is not None,
+                                        state={k: v.cpu() if torch.is_tensor(v) else v
+                                               for k, v in weight.quant_state.as_dict(packed=True).items()})
+    spec["attributes"] = {k: getattr(model, k) for k in _QUANTIZED_MODEL_ATTRIBUTES if hasattr(model, k)}
+    return spec
 
 
 # What from_pretrained sets on a 4-bit model, read by peft (which LoRA layer class to use) and the Trainer.

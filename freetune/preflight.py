@@ -226,6 +226,7 @@ class Plan:
     lora_dtype: str = "float32"
     policy: str = ""            # "turing" | "ampere" | "cpu"
     batching: str = "padded"    # "padding_free" | "grouped" | "padded" (freetune.fast)
+    sampler: str = "random"     # "random" | "length_grouped" | "rank_balanced": rows per rank and micro-batch
     gradient_checkpointing: bool = True  # recompute activations in the backward (chosen by memory when "auto")
     lora_kernel: str = "peft"   # "fused" (freetune.kernels: one autograd node per 4-bit LoRA layer) | "peft"
     optimizer: str = "paged_adamw_8bit"  # the Trainer's `optim` (chosen by memory when "auto")
@@ -271,6 +272,7 @@ class Plan:
             ("attention", self.attn_implementation, r.get("attention", "")),
             ("batch", batch, r.get("batch", "")),
             ("batching", self.batching, r.get("batching", "")),
+            ("sampler", self.sampler, r.get("sampler", "")),
             ("checkpointing", "on" if self.gradient_checkpointing else "off", r.get("gradient_checkpointing", "")),
             ("LoRA kernel", self.lora_kernel, r.get("lora_kernel", "")),
             ("optimizer", self.optimizer, r.get("optimizer", "")),
@@ -568,10 +570,12 @@ def make_plan(hardware: Hardware | None = None, *, model_shape: ModelShape | str
         reasons["batch"] = ("as given" if micro_batch else "1 (no model shape to size it against: give "
                             "model_shape to let the plan choose)")
     grad_accum_out = max(1, rows_per_gpu_step // chosen_batch)
-    from freetune.fast import VARLEN_ATTENTION, choose_batching
+    from freetune.fast import VARLEN_ATTENTION, choose_batching, choose_sampler
 
     batching, batch_attention, reasons["batching"] = choose_batching(
         policy, [g.capability for g in hardware.gpus], chosen_batch)
+    # Processes, not GPUs: a CPU job under torchrun has several ranks too.
+    sampler, reasons["sampler"] = choose_sampler(batching, max(world_size, hardware.torchrun_world_size or 1))
     if batch_attention == VARLEN_ATTENTION:
         attention = VARLEN_ATTENTION
         reasons["attention"] = ("padding-free rows through PyTorch's variable-length FlashAttention "
@@ -588,7 +592,7 @@ def make_plan(hardware: Hardware | None = None, *, model_shape: ModelShape | str
     return Plan(device=device, compute_dtype=compute_dtype, mixed_precision=mixed, attn_implementation=attention,
                 reasons=reasons, layout=layout, world_size=world_size, micro_batch=chosen_batch,
                 grad_accum=grad_accum_out, max_length=chosen_length, lora_dtype="float32", policy=policy,
-                memory=memory, machine=machine, warnings=warnings, batching=batching,
+                memory=memory, machine=machine, warnings=warnings, batching=batching, sampler=sampler,
                 gradient_checkpointing=gradient_checkpointing, lora_kernel=lora_kernel, optimizer=optimizer,
                 compile=compiled)
 

@@ -57,8 +57,9 @@ def make_config(paths: Paths, plan: Plan, *, max_steps: int, micro_batch: int, g
     save_total_limit: complete checkpoints kept (at least 2: the newest can be cut short by a disconnect while
     the one before it is what a rerun resumes from).
     gradient_checkpointing: None follows the plan (off only when the batch fits without it).
-    The plan's batching (freetune.fast) rides along on the config: "grouped" sets the length-grouped sampler
-    here, "padding_free" switches the collator once train() has built the trainer.
+    The plan's batching and sampler (freetune.fast) ride along on the config: "length_grouped" sets the Trainer's
+    length-grouped sampler here, "rank_balanced" is put in by fast.trainer_class, "padding_free" switches the
+    collator once train() has built the trainer.
     """
     import torch
     from trl import SFTConfig
@@ -112,10 +113,12 @@ def make_config(paths: Paths, plan: Plan, *, max_steps: int, micro_batch: int, g
         ddp_timeout=COLLECTIVE_TIMEOUT_S,
         dataloader_num_workers=0,
         # Similar lengths in a padded batch: little padding where rows cannot be concatenated (freetune.fast).
-        train_sampling_strategy="group_by_length" if plan.batching == "grouped" else "random",
+        # "rank_balanced" is freetune's own (fast.RankBalancedSampler), put in by the trainer class.
+        train_sampling_strategy="group_by_length" if plan.sampler == "length_grouped" else "random",
         **fsdp_settings(plan),
     )
     config.freetune_batching = plan.batching  # read by train(); TRL's own padding_free refuses max_length
+    config.freetune_sampler = plan.sampler  # read by fast.trainer_class
     config.freetune_lora_kernel = plan.lora_kernel  # read by train(), once the adapter is attached
     config.freetune_compile = plan.compile
     if plan.device == "cuda" and torch.cuda.device_count() > 1 and "LOCAL_RANK" not in os.environ:
@@ -224,10 +227,15 @@ def train(model, tokenizer, train_dataset, config, *, paths: Paths, eval_dataset
 
     trainer.remove_callback(PrinterCallback)  # it prints raw log dicts; ProgressPrinter prints one clean line
     fast.apply_batching(trainer, getattr(config, "freetune_batching", "padded"))
+    if getattr(config, "freetune_sampler", "") == "rank_balanced" and trainer.args.world_size > 1:
+        print0(f"Sampler: each optimizer step's rows are dealt to the {trainer.args.world_size} ranks by length, "
+               f"equal tokens per rank (freetune.fast.RankBalancedSampler).")
     if getattr(config, "freetune_lora_kernel", "peft") == "fused":
         fused, seen = kernels.use_fused_lora(trainer.model)
         print0(f"LoRA kernel: fused on {fused} of {seen} LoRA layers (freetune.kernels).")
     if getattr(config, "freetune_compile", False):
+        if torch.cuda.is_available():  # probed now, eagerly: the compiled attention layers only read the result
+            fast.varlen_backend(torch.cuda.current_device())
         compiled = kernels.compile_layers(trainer.model)
         print0(f"torch.compile: {compiled} decoder layers; the first steps are slower while they compile.")
     print0(f"Checkpoints: every {config.save_steps} steps, the last {config.save_total_limit} kept, in "

@@ -308,6 +308,7 @@ def run_one(job: dict) -> dict:
         "pad_fraction": round(sum(pads) / len(pads), 4) if pads else None,
         "losses": [round(h["loss"], 4) for h in history if "loss" in h],
         "lora_kernel": plan.lora_kernel, "compile": plan.compile, "optimizer": plan.optimizer,
+        "sampler": plan.sampler if job["run"].startswith("freetune") else "random",
     }
     if profiler is not None and profiler.summary:
         result["profile"] = profiler.summary
@@ -414,7 +415,7 @@ def main(argv=None) -> int:
     if device == "cuda":
         torch.cuda.empty_cache()
     ddp_jobs = [] if (args.no_ddp or gpus < 2 or "uncapped" not in modes) else [
-        {**j, "world": 2} for j in jobs if j["mode"] == "uncapped" and j["run"] in ("free_tier", "freetune")]
+        {**j, "world": 2} for j in jobs if j["mode"] == "uncapped" and j["run"].split("[")[0] in ("free_tier", "freetune")]
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -514,7 +515,8 @@ def summarise(report: dict) -> None:
             base = by_key.get((mode, ref, world))
             if base and ref != run:
                 r[f"x_{ref}"] = round(r["tokens_per_s"] / base["tokens_per_s"], 2)
-        one = by_key.get((mode, run, 1))
+        # A variant without its own 1-GPU run (--ddp-only) is compared with freetune's.
+        one = by_key.get((mode, run, 1)) or by_key.get((mode, run.split("[")[0], 1))
         if world > 1 and one:
             r["ddp_efficiency"] = round(r["tokens_per_s"] / (world * one["tokens_per_s"]), 3)
 
@@ -524,7 +526,7 @@ def _shape_key(name: str) -> str:
 
 
 def table(report: dict) -> str:
-    cols = ["mode", "run", "GPUs", "batch", "ckpt", "batching", "LoRA", "GPU busy", "tok/s", "step s", "alloc GiB", "resv GiB",
+    cols = ["mode", "run", "GPUs", "batch", "ckpt", "batching", "sampler", "LoRA", "GPU busy", "tok/s", "step s", "alloc GiB", "resv GiB",
             "MFU 6N", "MFU 4N", "x free", "x plain", "DDP eff"]
     lines = [cols]
     for r in report["runs"]:
@@ -532,7 +534,8 @@ def table(report: dict) -> str:
             lines.append([r["mode"], r["run"], str(r["world"]), "FAILED: " + r["failed"]] + [""] * (len(cols) - 4))
             continue
         lines.append([r["mode"], r["run"], str(r["world_size"]), f"{r['micro_batch']}x{r['grad_accum']}",
-                      "on" if r["gradient_checkpointing"] else "off", r["batching"], r.get("lora_kernel", ""),
+                      "on" if r["gradient_checkpointing"] else "off", r["batching"], r.get("sampler", ""),
+                      r.get("lora_kernel", ""),
                       f"{r['profile']['gpu_busy_share']:.0%}" if r.get("profile", {}).get("gpu_busy_share") else "",
                       f"{r['tokens_per_s']:.0f}",
                       f"{r['step_s']:.2f}", f"{r.get('peak_allocated_gib', r.get('peak_rss_gib', 0)):.2f}",

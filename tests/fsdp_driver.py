@@ -19,6 +19,9 @@ import sys
 from pathlib import Path
 
 
+SHORT_TIMEOUT_S = 10
+
+
 def main() -> None:
     model_dir, mode, out_dir = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     import torch
@@ -26,7 +29,21 @@ def main() -> None:
     import freetune
     from freetune.preflight import Plan
 
-    ctx = freetune.distributed.init(timeout_s=60)
+    # A short collective timeout, and rank 0's loading made longer than it (a slow download): the other ranks must
+    # wait for the model on the loader's own long timeout (freetune.model.LOAD_TIMEOUT_S) and not fail the job.
+    ctx = freetune.distributed.init(timeout_s=SHORT_TIMEOUT_S if mode == "fsdp" else 60)
+    if mode == "fsdp" and ctx.rank == 0:
+        import time
+
+        import transformers
+
+        loader = transformers.AutoModelForCausalLM.from_pretrained.__func__
+
+        def slow_download(cls, *args, **kwargs):
+            time.sleep(2 * SHORT_TIMEOUT_S)
+            return loader(cls, *args, **kwargs)
+
+        transformers.AutoModelForCausalLM.from_pretrained = classmethod(slow_download)
     plan = Plan(device="cpu", compute_dtype="float32", mixed_precision="no", attn_implementation="sdpa",
                 layout="fsdp" if mode in ("fsdp", "single") else None)
     import bitsandbytes  # noqa: F401 - imported before the measurement below, so that it counts weights only

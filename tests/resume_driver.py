@@ -157,7 +157,9 @@ def main() -> None:
     if ctx.is_main:
         paths.make()
     plan = Plan(device="cpu", compute_dtype="float32", mixed_precision="no", attn_implementation="sdpa",
-                layout=job.get("layout"))  # "fsdp": the sharded path (tests/test_multihost.py), else DDP/single
+                layout=job.get("layout"),  # "fsdp": the sharded path (tests/test_multihost.py), else DDP/single
+                # What make_plan picks under torchrun: a resumed run must take up the balanced order where it was.
+                sampler="rank_balanced" if ctx.world_size > 1 else "random")
     tokenizer = freetune.model.load_tokenizer(job["model_dir"])
     # LoRA's A matrices are drawn from torch's global RNG when the adapter is attached, before the Trainer seeds
     # anything: without this, two fresh runs start from different adapters (a resumed run reads them back).

@@ -158,3 +158,30 @@ def test_freetune_attention_keeps_packed_rows_apart_like_separate_rows(tiny_mode
                          max_length_q=12, max_length_k=12, use_cache=False).logits[0]
         alone = torch.cat([model(input_ids=r[None]).logits[0] for r in rows])
     torch.testing.assert_close(together, alone, rtol=1e-4, atol=1e-4)
+
+
+def test_the_attention_layers_only_read_the_probed_backend_inside_compiled_code(monkeypatch):
+    """Every attention call asks varlen_backend which kernel to use, inside the compiled decoder layers. It must be
+    a plain lookup there: a functools.cache'd probe is traced by dynamo as if uncached and ran the whole probe in
+    every layer of every step on the GPU (half the tokens/s, twice the memory)."""
+    import torch
+
+    from freetune import fast
+
+    probes = []
+
+    def counting_probe(device_index):
+        probes.append(device_index)
+        return "", "probed by the test"
+
+    monkeypatch.setattr(fast, "_probe", counting_probe)
+    monkeypatch.setattr(fast, "_CHOSEN", {})
+    assert fast.varlen_works(0) == (False, "probed by the test")  # eagerly, as the plan and train() do
+
+    @torch.compile(backend="eager", fullgraph=True)  # fullgraph: a graph break would raise
+    def layer(x):
+        return x * 2 if fast.varlen_backend(0) else x + 1
+
+    for n in (3, 5, 7):
+        assert torch.equal(layer(torch.ones(n)), torch.full((n,), 2.0))
+    assert probes == [0], "probed once, then only read"

@@ -113,21 +113,26 @@ def test_evaluation_and_unsupported_layers_keep_peft_forward(tiny_model_dir):
     assert kernels.use_fused_lora(dora)[0] == 0
 
 
-def test_compiled_layers_train_like_eager_ones(tiny_model_dir):
-    """compile_layers traces the decoder layers with the fused LoRA layers inside (aot_eager: dynamo and the
-    autograd graph as the GPU's inductor sees them, without a C compiler) over two different lengths."""
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_compiled_layers_train_like_eager_ones(tiny_model_dir, checkpointing):
+    """compile_layers compiles the decoder layers around the fused LoRA layers, which run eagerly between the
+    compiled pieces (aot_eager: dynamo and the autograd graph as the GPU's inductor sees them, without a C
+    compiler), over three lengths, with and without gradient checkpointing (the T4 plan has it on)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
     eager = quantized_lora_model(tiny_model_dir, torch.float32)
-    kernels.use_fused_lora(eager)
     compiled = quantized_lora_model(tiny_model_dir, torch.float32)
-    kernels.use_fused_lora(compiled)
+    for model in (eager, compiled):
+        if checkpointing:  # as the Trainer sets it up, before train() compiles the layers
+            model.get_base_model().gradient_checkpointing_enable({"use_reentrant": False})
+        kernels.use_fused_lora(model)
     torch._dynamo.reset()
     counters.clear()
     assert kernels.compile_layers(compiled, backend="aot_eager") == len(compiled.get_base_model().model.layers)
     torch._dynamo.config.suppress_errors = False  # here a layer that fails to compile must fail the test
     try:
+        graphs = []
         for length in (32, 48, 40):  # padding-free batches change length every step: dynamic shapes
             ids = torch.randint(3, 500, (1, length), generator=torch.Generator().manual_seed(length))
             want = loss_and_grads(eager, ids)
@@ -137,11 +142,14 @@ def test_compiled_layers_train_like_eager_ones(tiny_model_dir):
                 assert torch.allclose(got[1][name], grad, rtol=1e-3, atol=1e-6), name
             eager.zero_grad()
             compiled.zero_grad()
+            graphs.append(counters["stats"]["unique_graphs"])
     finally:
         torch._dynamo.reset()
-    # Whole layers were captured, the fused layers inside them, with no graph break and no recompile per length.
-    assert not counters["graph_break"], dict(counters["graph_break"])
-    assert 1 <= counters["stats"]["unique_graphs"] <= 2
+    # The pieces between the fused layers were compiled, once: the third length compiled nothing new.
+    assert graphs[0] >= 1 and graphs[2] == graphs[1], graphs
+    # The only graph breaks are the fused layers themselves (kept out of the graph on purpose: kernels._fn).
+    breaks = dict(counters["graph_break"])
+    assert breaks and all("disable" in reason for reason in breaks), breaks
     # After training the layers run eagerly again (generation has other shapes).
     assert kernels.uncompile_layers(compiled) == len(compiled.get_base_model().model.layers)
     assert kernels.uncompile_layers(compiled) == 0

@@ -82,6 +82,7 @@ def test_kaggle_notebook_runs_train_ddp_under_torchrun_with_two_processes(tmp_pa
                  for rank, text in by_rank.items()}
     assert checksums["0"] and checksums["0"] == checksums["1"], "LoRA weights must be identical on both ranks"
     assert "rank 1 wrote 0 file(s)" in by_rank["1"], by_rank["1"][-2000:]
+    assert "dealt to the 2 ranks by length" in by_rank["0"]  # the ranks re-decide the sampler for their job size
     wrote0 = next(l for l in by_rank["0"].splitlines() if l.startswith("rank 0 wrote"))
     assert "adapter" in wrote0 or "reports" in wrote0  # the tracer does see rank 0's writes
     everything = text_of(nb) + "".join(p.read_text() for p in (tmp_path / "runs").glob("**/stderr.log"))
