@@ -225,10 +225,10 @@ def run_one(job: dict) -> dict:
     plan = make_plan(hardware, model_shape=shape, max_length=job["max_length"], micro_batch=None,
                      grad_accum=ROWS_PER_STEP, lora_rank=LORA_RANK, precision=job["precision"],
                      memory_budget_gib=budget)
-    plain = dict(batching="padded", attn_implementation="sdpa", lora_kernel="peft", compile=False,
+    plain = dict(batching="padded", sampler="random", attn_implementation="sdpa", lora_kernel="peft", compile=False,
                  optimizer="paged_adamw_8bit",
                  reasons={**plan.reasons, "batching": "plain stack: padded to the longest row of the batch",
-                          "attention": "plain stack: sdpa"})
+                          "attention": "plain stack: sdpa", "sampler": "plain stack: random order"})
     if job["run"] == "free_tier":
         plain["reasons"].update(batch="free-tier recipe", gradient_checkpointing="free-tier recipe")
         plan = replace(plan, micro_batch=1, grad_accum=ROWS_PER_STEP, gradient_checkpointing=True, **plain)
@@ -308,7 +308,7 @@ def run_one(job: dict) -> dict:
         "pad_fraction": round(sum(pads) / len(pads), 4) if pads else None,
         "losses": [round(h["loss"], 4) for h in history if "loss" in h],
         "lora_kernel": plan.lora_kernel, "compile": plan.compile, "optimizer": plan.optimizer,
-        "sampler": plan.sampler if job["run"].startswith("freetune") else "random",
+        "sampler": plan.sampler,
     }
     if profiler is not None and profiler.summary:
         result["profile"] = profiler.summary
