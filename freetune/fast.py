@@ -13,9 +13,9 @@ about it here (issue 8 has the measurements):
 - Ranks waiting for each other (DDP, FSDP). The gradients are averaged once per optimizer step, so every rank
   waits for the one with the most tokens. With 8 random rows of 300-1,200 tokens per rank, two ranks' token
   counts differ by ~15% of the mean, so the slower one has ~7% more; the 2-GPU run on an H200 reached 89% of
-  twice one GPU's rate. `RankBalancedSampler` deals each optimizer
-  step's rows (the same random rows any GPU count would take) out to the ranks so their token counts are
-  equal to within a row, each micro-batch still holding exactly micro_batch rows (memory as planned).
+  twice one GPU's rate. `RankBalancedSampler` deals each optimizer step's rows (the same random rows any GPU
+  count would take) out to the ranks so their token counts are equal to within a row, each micro-batch still
+  holding exactly micro_batch rows (memory as planned).
 - The attention kernel. On sm80+ the packed rows go through PyTorch's variable-length FlashAttention-2
   (aten._flash_attention_forward given TRL's cu_seq_lens, else torch.nn.attention.varlen.varlen_attn): each row
   attends only to itself, no mask is built into the kernel and nothing is computed across rows. It is checked
