@@ -308,6 +308,7 @@ def _rank_balanced_sampler_class():
                 yield from self._yield_global_batch(rows)
 
         def _assign(self, indices, lengths):
+            # step_rows looks lengths up by dataset index (a padded last step may repeat an index).
             return step_rows(list(indices), self.lengths, self.dp_size, self.grad_accum)
 
     return RankBalancedSampler
@@ -319,7 +320,7 @@ def rank_balanced_sampler(dataset, args, group_by_length: bool = False):
     world = max(1, args.world_size)
     return _rank_balanced_sampler_class()(
         lengths=lengths, effective_batch_size=args.train_batch_size * args.gradient_accumulation_steps * world,
-        dp_size=world, grad_accum=args.gradient_accumulation_steps, rank=args.process_index if world > 1 else 0,
+        dp_size=world, grad_accum=args.gradient_accumulation_steps, rank=args.process_index,
         seed=args.data_seed if args.data_seed is not None else args.seed, drop_last=args.dataloader_drop_last,
         group_by_length=group_by_length)
 

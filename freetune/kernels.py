@@ -90,32 +90,28 @@ def _function():
     return QLoRALinear
 
 
-_FN = None
-_APPLY = None
+_APPLY = None  # QLoRALinear.apply, kept out of compiled graphs; built once by _fused_apply
 
 
-def _fn():
-    """The autograd.Function class, built once, outside any compiled region (dynamo cannot trace a class body).
+def _fused_apply():
+    """QLoRALinear.apply, built once, outside any compiled region (dynamo cannot trace a class body).
 
-    Its apply is kept out of torch.compile's graphs (torch.compiler.disable): inside a compiled decoder layer it
-    runs eagerly between the compiled pieces, as in the measured runs of the README. Traced into the layer's
-    graph instead, with gradient checkpointing on (the T4 plan), the checkpoint's pack hook recursed without end
-    in bitsandbytes' Params4bit.__torch_function__ (RecursionError on H200s), and without checkpointing the step
-    was ~13% slower (5,901 vs 6,798 tokens/s on an H200, both runs slowed by another bug: indicative)."""
-    global _FN, _APPLY
-    if _FN is None:
+    It is kept out of torch.compile's graphs (torch.compiler.disable): inside a compiled decoder layer it runs
+    eagerly between the compiled pieces, as in the measured runs of the README. Traced into the layer's graph
+    instead, with gradient checkpointing on (the T4 plan), the checkpoint's pack hook recursed without end in
+    bitsandbytes' Params4bit.__torch_function__ (RecursionError on H200s), and without checkpointing the step was
+    ~13% slower (5,901 vs 6,798 tokens/s on an H200, both runs slowed by another bug: indicative)."""
+    global _APPLY
+    if _APPLY is None:
         import torch
 
-        _FN = _function()
-        _APPLY = torch.compiler.disable(_FN.apply, recursive=True)
-    return _FN
+        _APPLY = torch.compiler.disable(_function().apply, recursive=True)
+    return _APPLY
 
 
 def qlora_linear(x, weight, quant_state, bias, lora_a, lora_b, scaling: float, dropout_p: float):
     """y = base(x) + scaling * lora_b(lora_a(dropout(x))) for a 4-bit base weight, as one autograd node."""
-    if _APPLY is None:
-        _fn()
-    return _APPLY(x, weight, quant_state, bias, lora_a, lora_b, scaling, dropout_p)
+    return (_APPLY or _fused_apply())(x, weight, quant_state, bias, lora_a, lora_b, scaling, dropout_p)
 
 
 def _fused_forward(self, x, *args, **kwargs):
@@ -180,7 +176,7 @@ def use_fused_lora(model) -> tuple[int, int]:
     is outside what the fused function does (evaluation, merged or disabled adapters, extra arguments)."""
     from peft.tuners.lora import LoraLayer
 
-    _fn()
+    _fused_apply()  # now, eagerly: the compiled layers only read it
     fused = seen = 0
     for module in model.modules():
         if not isinstance(module, LoraLayer):

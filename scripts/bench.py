@@ -258,7 +258,8 @@ def run_one(job: dict) -> dict:
                                                      seed=0)
     total_steps = warmup + measured
     config = freetune.train.make_config(
-        paths, plan, max_steps=total_steps + (1 if job.get("profile") else 0), micro_batch=plan.micro_batch, grad_accum=plan.grad_accum,
+        paths, plan, max_steps=total_steps + (1 if job.get("profile") else 0), micro_batch=plan.micro_batch,
+        grad_accum=plan.grad_accum,
         learning_rate=1e-4, max_length=job["max_length"], optimizer=plan.optimizer, logging_steps=1,
         save_steps=100_000, seed=0)
 
@@ -345,7 +346,8 @@ def main(argv=None) -> int:
     parser.add_argument("--modes", default="uncapped,t4,4gb", help="comma-separated: " + ", ".join(MODES))
     parser.add_argument("--no-ddp", action="store_true", help="skip the 2-GPU (torchrun) runs")
     parser.add_argument("--ddp-only", action="store_true",
-                        help="only the 2-GPU runs (their efficiency then needs --merge with a report of the single runs)")
+                        help="only the 2-GPU runs (their efficiency then needs --merge with a report of the "
+                             "single runs)")
     parser.add_argument("--merge", nargs="*", default=[],
                         help="reports whose runs join this one's (e.g. the single-GPU runs of an earlier call)")
     parser.add_argument("--budget-s", type=float, default=480, help="start no run after this many seconds")
@@ -406,7 +408,7 @@ def main(argv=None) -> int:
         runs = [(run, {}) for run in RUNS if run in args.runs.split(",")]
         runs += [(f"freetune[{label}]", overrides) for label, overrides in parse_variants(args.variants)]
         for run, overrides in runs:
-            warmup, measured = steps[run.split("[")[0]]
+            warmup, measured = steps[base_run(run)]
             jobs.append(dict(mode=mode, run=run, shape=spec["shape"], cap_gib=spec["cap_gib"],
                              precision=spec["precision"], max_length=max_length, warmup=warmup, steps=measured,
                              model=str(model_dir), tokenizer=str(tokenizer_dir), rows=str(rows_file),
@@ -415,7 +417,7 @@ def main(argv=None) -> int:
     if device == "cuda":
         torch.cuda.empty_cache()
     ddp_jobs = [] if (args.no_ddp or gpus < 2 or "uncapped" not in modes) else [
-        {**j, "world": 2} for j in jobs if j["mode"] == "uncapped" and j["run"].split("[")[0] in ("free_tier", "freetune")]
+        {**j, "world": 2} for j in jobs if j["mode"] == "uncapped" and base_run(j["run"]) in ("free_tier", "freetune")]
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -487,6 +489,11 @@ def main(argv=None) -> int:
     return 0 if all("failed" not in r for r in report["runs"]) else 1
 
 
+def base_run(run: str) -> str:
+    """'freetune[label]' (a --variants run) -> 'freetune'."""
+    return run.split("[")[0]
+
+
 def parse_variants(text: str) -> list[tuple[str, dict]]:
     """'label:field=value,field=value;label2:...' -> [(label, {field: value})]; true/false and integers typed."""
     out = []
@@ -516,7 +523,7 @@ def summarise(report: dict) -> None:
             if base and ref != run:
                 r[f"x_{ref}"] = round(r["tokens_per_s"] / base["tokens_per_s"], 2)
         # A variant without its own 1-GPU run (--ddp-only) is compared with freetune's.
-        one = by_key.get((mode, run, 1)) or by_key.get((mode, run.split("[")[0], 1))
+        one = by_key.get((mode, run, 1)) or by_key.get((mode, base_run(run), 1))
         if world > 1 and one:
             r["ddp_efficiency"] = round(r["tokens_per_s"] / (world * one["tokens_per_s"]), 3)
 
@@ -526,7 +533,8 @@ def _shape_key(name: str) -> str:
 
 
 def table(report: dict) -> str:
-    cols = ["mode", "run", "GPUs", "batch", "ckpt", "batching", "sampler", "LoRA", "GPU busy", "tok/s", "step s", "alloc GiB", "resv GiB",
+    cols = ["mode", "run", "GPUs", "batch", "ckpt", "batching", "sampler", "LoRA", "GPU busy", "tok/s", "step s",
+            "alloc GiB", "resv GiB",
             "MFU 6N", "MFU 4N", "x free", "x plain", "DDP eff"]
     lines = [cols]
     for r in report["runs"]:

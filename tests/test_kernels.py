@@ -147,7 +147,7 @@ def test_compiled_layers_train_like_eager_ones(tiny_model_dir, checkpointing):
         torch._dynamo.reset()
     # The pieces between the fused layers were compiled, once: the third length compiled nothing new.
     assert graphs[0] >= 1 and graphs[2] == graphs[1], graphs
-    # The only graph breaks are the fused layers themselves (kept out of the graph on purpose: kernels._fn).
+    # The only graph breaks are the fused layers themselves (kept out of the graph on purpose: kernels._fused_apply).
     breaks = dict(counters["graph_break"])
     assert breaks and all("disable" in reason for reason in breaks), breaks
     # After training the layers run eagerly again (generation has other shapes).
