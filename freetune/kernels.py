@@ -30,10 +30,38 @@ import types
 FUSED_ATTR = "_freetune_fused_lora"
 
 
-def _dequantize(weight, quant_state):
-    import bitsandbytes.functional as bnbf
+def quant_args(quant_state) -> tuple[tuple, tuple]:
+    """bitsandbytes' QuantState as (tensors, spec): the tensors its dequantisation reads and the constants
+    (blocksize, quant_type, shape, dtype, nested blocksize, nested dtype). The fused function takes these instead
+    of the QuantState object, so a compiled layer sees plain tensors and constants only: on H200s (torch 2.11)
+    dynamo broke every decoder layer's graph at the fused call (data-dependent branching) with the object passed
+    in, and the layers ran at eager speed."""
+    import torch._dynamo
 
-    return bnbf.dequantize_4bit(weight, quant_state)  # (out, in) in the layer's compute dtype
+    if quant_state.nested:
+        inner = quant_state.state2
+        tensors = (quant_state.absmax, inner.absmax, inner.code, quant_state.offset)
+        nested = (inner.blocksize, inner.dtype)
+    else:
+        tensors = (quant_state.absmax, None, None, None)
+        nested = (None, None)
+    spec = (quant_state.blocksize, quant_state.quant_type, tuple(quant_state.shape), quant_state.dtype, *nested)
+    for tensor in tensors:  # fixed sizes: a token count equal to one of them must not specialise a graph
+        if tensor is not None:
+            torch._dynamo.mark_static(tensor)
+    return tensors, spec
+
+
+def _dequantize(packed, absmax, absmax2, code2, offset, spec):
+    """The 16-bit weight (out, in), as bitsandbytes.functional.dequantize_4bit computes it (through the same
+    registered ops; tests/test_kernels.py compares the two), for a packed weight of shape (n, 1)."""
+    import torch
+
+    blocksize, quant_type, shape, dtype, blocksize2, dtype2 = spec
+    if blocksize2 is not None:  # double quantisation: the absmax values are themselves 8-bit blockwise
+        absmax = (torch.ops.bitsandbytes.dequantize_blockwise.default(absmax, absmax2, code2, blocksize2, dtype2)
+                  + offset).float()
+    return torch.ops.bitsandbytes.dequantize_4bit.default(packed, absmax, blocksize, quant_type, shape, dtype)
 
 
 def _function():
@@ -41,12 +69,13 @@ def _function():
 
     class QLoRALinear(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, x, weight, quant_state, bias, lora_a, lora_b, scaling: float, dropout_p: float):
-            compute = quant_state.dtype
+        def forward(ctx, x, weight, absmax, absmax2, code2, offset, spec, bias, lora_a, lora_b, scaling: float,
+                    dropout_p: float):
+            compute = spec[3]
             out_dtype = x.dtype  # bitsandbytes' Linear4bit returns its input's dtype; so does this
             shape = x.shape
             x2 = x.reshape(-1, shape[-1]).to(compute)
-            w = _dequantize(weight, quant_state)
+            w = _dequantize(weight, absmax, absmax2, code2, offset, spec)
             y = torch.nn.functional.linear(x2, w, None if bias is None else bias.to(compute))
             del w
             a, b = lora_a.to(compute), lora_b.to(compute)
@@ -57,27 +86,27 @@ def _function():
                 xd = x2
             h = xd @ a.t()                                   # (tokens, r)
             y.addmm_(h, b.t(), alpha=scaling)                # + s * h B^T, in place: no extra (tokens, out) tensor
-            ctx.save_for_backward(weight, xd, mask, h, a, b)
-            ctx.quant_state = quant_state
+            ctx.save_for_backward(weight, absmax, absmax2, code2, offset, xd, mask, h, a, b)
+            ctx.spec = spec
             ctx.scaling, ctx.dropout_p = scaling, dropout_p
             ctx.x_dtype, ctx.a_dtype, ctx.b_dtype = x.dtype, lora_a.dtype, lora_b.dtype
             return y.reshape(*shape[:-1], y.shape[-1]).to(out_dtype)
 
         @staticmethod
         def backward(ctx, dy):
-            weight, xd, mask, h, a, b = ctx.saved_tensors
+            weight, absmax, absmax2, code2, offset, xd, mask, h, a, b = ctx.saved_tensors
             s = ctx.scaling
-            compute = ctx.quant_state.dtype
+            compute = ctx.spec[3]
             shape = dy.shape
             dy2 = dy.reshape(-1, shape[-1]).to(compute)
             grad_x = grad_a = grad_b = None
             dh = (dy2 @ b).mul_(s)                           # (tokens, r): s * dy B
-            if ctx.needs_input_grad[5]:
+            if ctx.needs_input_grad[9]:
                 grad_b = (dy2.t() @ h).mul_(s).to(ctx.b_dtype)
-            if ctx.needs_input_grad[4]:
+            if ctx.needs_input_grad[8]:
                 grad_a = (dh.t() @ xd).to(ctx.a_dtype)
             if ctx.needs_input_grad[0]:
-                w = _dequantize(weight, ctx.quant_state)
+                w = _dequantize(weight, absmax, absmax2, code2, offset, ctx.spec)
                 grad_x = dy2 @ w
                 del w
                 if mask is None:
@@ -85,33 +114,32 @@ def _function():
                 else:
                     grad_x.add_((dh @ a).mul_(mask).mul_(1.0 / (1.0 - ctx.dropout_p)))
                 grad_x = grad_x.reshape(*shape[:-1], grad_x.shape[-1]).to(ctx.x_dtype)
-            return grad_x, None, None, None, grad_a, grad_b, None, None
+            return grad_x, None, None, None, None, None, None, None, grad_a, grad_b, None, None
 
     return QLoRALinear
 
 
-_APPLY = None  # QLoRALinear.apply, kept out of compiled graphs; built once by _fused_apply
+_FN = None  # the QLoRALinear class, built once by _fused_function
 
 
-def _fused_apply():
-    """QLoRALinear.apply, built once, outside any compiled region (dynamo cannot trace a class body).
-
-    It is kept out of torch.compile's graphs (torch.compiler.disable): inside a compiled decoder layer it runs
-    eagerly between the compiled pieces, as in the measured runs of the README. Traced into the layer's graph
-    instead, with gradient checkpointing on (the T4 plan), the checkpoint's pack hook recursed without end in
-    bitsandbytes' Params4bit.__torch_function__ (RecursionError on H200s), and without checkpointing the step was
-    ~13% slower (5,901 vs 6,798 tokens/s on an H200, both runs slowed by another bug: indicative)."""
-    global _APPLY
-    if _APPLY is None:
-        import torch
-
-        _APPLY = torch.compiler.disable(_function().apply, recursive=True)
-    return _APPLY
+def _fused_function():
+    """The autograd.Function class, built once, eagerly (use_fused_lora): dynamo cannot trace a class body, and the
+    compiled decoder layers then trace its forward and backward into their graphs (one graph per layer, no break:
+    plain tensors in, bitsandbytes' registered ops inside). Kept out of the graph instead (torch.compiler.disable),
+    each layer fell into 8 compiled pieces with 7 eager calls between them: 5,300 tokens/s and 41 GiB on an H200,
+    the plain stack's speed and memory (reports/gpu/bench_graph_breaks.json)."""
+    global _FN
+    if _FN is None:
+        _FN = _function()
+    return _FN
 
 
-def qlora_linear(x, weight, quant_state, bias, lora_a, lora_b, scaling: float, dropout_p: float):
-    """y = base(x) + scaling * lora_b(lora_a(dropout(x))) for a 4-bit base weight, as one autograd node."""
-    return (_APPLY or _fused_apply())(x, weight, quant_state, bias, lora_a, lora_b, scaling, dropout_p)
+def qlora_linear(x, weight, quant, spec, bias, lora_a, lora_b, scaling: float, dropout_p: float):
+    """y = base(x) + scaling * lora_b(lora_a(dropout(x))) for a 4-bit base weight, as one autograd node.
+
+    weight: the packed 4-bit data as a plain tensor (Params4bit.data, see use_fused_lora), not bitsandbytes'
+    Params4bit itself; quant, spec: its quantisation state as `quant_args` gives it."""
+    return (_FN or _fused_function()).apply(x, weight, *quant, spec, bias, lora_a, lora_b, scaling, dropout_p)
 
 
 def _fused_forward(self, x, *args, **kwargs):
@@ -122,12 +150,14 @@ def _fused_forward(self, x, *args, **kwargs):
     if (args or kwargs or not self.training or self.disable_adapters or self.merged
             or len(self.active_adapters) != 1 or self.active_adapters[0] not in self.lora_A):
         return type(self).forward(self, x, *args, **kwargs)
+    packed = self._freetune_packed
+    if packed.device != x.device:  # the model was moved after use_fused_lora: peft's layer reads the moved weight
+        return type(self).forward(self, x, *args, **kwargs)
     name = self.active_adapters[0]
-    base = self.base_layer
     dropout = self.lora_dropout[name]
     p = dropout.p if isinstance(dropout, torch.nn.Dropout) else 0.0
-    return qlora_linear(x, base.weight, base.weight.quant_state, base.bias, self.lora_A[name].weight,
-                        self.lora_B[name].weight, float(self.scaling[name]), p)
+    return qlora_linear(x, packed, self._freetune_quant, self._freetune_spec, self.base_layer.bias,
+                        self.lora_A[name].weight, self.lora_B[name].weight, float(self.scaling[name]), p)
 
 
 def fusable(module) -> str:
@@ -174,19 +204,28 @@ def use_fused_lora(model) -> tuple[int, int]:
 
     Idempotent. The module's own forward stays reachable (type(module).forward) and takes over whenever the call
     is outside what the fused function does (evaluation, merged or disabled adapters, extra arguments)."""
+    import torch._dynamo
     from peft.tuners.lora import LoraLayer
 
-    _fused_apply()  # now, eagerly: the compiled layers only read it
+    _fused_function()  # now, eagerly: the compiled layers only read it
     fused = seen = 0
     for module in model.modules():
         if not isinstance(module, LoraLayer):
             continue
         seen += 1
-        if getattr(module, FUSED_ATTR, False):
-            fused += 1
-        elif not fusable(module):
-            module.forward = types.MethodType(_fused_forward, module)
-            setattr(module, FUSED_ATTR, True)
+        if getattr(module, FUSED_ATTR, False) or not fusable(module):
+            # The packed 4-bit weight as a plain tensor (same storage) and its quantisation state, read here, outside
+            # any compiled region, again at every call (train() calls this after the model reached its GPU). The
+            # compiled layers never touch bitsandbytes' Params4bit: its Python __torch_function__ recursed without
+            # end there on H200s (in the compiled graph's runtime wrapper; and, eagerly, in the pack hook of
+            # gradient checkpointing under DDP), and costs host time on every use.
+            weight = module.base_layer.weight
+            module._freetune_packed = weight.data
+            module._freetune_quant, module._freetune_spec = quant_args(weight.quant_state)
+            torch._dynamo.mark_static(module._freetune_packed)
+            if not getattr(module, FUSED_ATTR, False):
+                module.forward = types.MethodType(_fused_forward, module)
+                setattr(module, FUSED_ATTR, True)
             fused += 1
     return fused, seen
 
@@ -216,6 +255,13 @@ def compile_layers(model, backend: str = "inductor") -> int:
     import torch._dynamo
 
     torch._dynamo.config.suppress_errors = True
+    # The fused function dequantises each weight again in its backward rather than keep a 16-bit copy (the whole
+    # model's worth over a step without checkpointing: ~2.4 GiB for a 1.5B model, more than a 4 GiB card has
+    # spare). Common-subexpression elimination of the joint forward-backward graph would merge the two
+    # dequantisations into one whose output the forward then saves; without it the backward keeps its own.
+    import torch._functorch.config
+
+    torch._functorch.config.cse = False
     # One compiled graph serves every layer of a model (same code, different weights): the cache must hold at
     # least one entry per layer's guards.
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)

@@ -311,6 +311,14 @@ def run_one(job: dict) -> dict:
         "lora_kernel": plan.lora_kernel, "compile": plan.compile, "optimizer": plan.optimizer,
         "sampler": plan.sampler,
     }
+    if plan.compile:
+        # What the compiled layers became: one graph per layer and no break is the fast shape; breaks or graphs per
+        # length mean pieces running eagerly (the regression of reports/gpu/bench_graph_breaks.json).
+        from torch._dynamo.utils import counters
+
+        result["dynamo"] = {"unique_graphs": counters["stats"]["unique_graphs"],
+                            "graph_breaks": sum(counters["graph_break"].values()),
+                            "frames_ok": counters["frames"]["ok"], "frames_total": counters["frames"]["total"]}
     if profiler is not None and profiler.summary:
         result["profile"] = profiler.summary
     if cuda:
