@@ -33,9 +33,10 @@ FUSED_ATTR = "_freetune_fused_lora"
 def quant_args(quant_state) -> tuple[tuple, tuple]:
     """bitsandbytes' QuantState as (tensors, spec): the tensors its dequantisation reads and the constants
     (blocksize, quant_type, shape, dtype, nested blocksize, nested dtype). The fused function takes these instead
-    of the QuantState object, so a compiled layer sees plain tensors and constants only: on H200s (torch 2.11)
-    dynamo broke every decoder layer's graph at the fused call (data-dependent branching) with the object passed
-    in, and the layers ran at eager speed."""
+    of the QuantState object, so a compiled layer sees plain tensors and constants only. With the object passed
+    in, dynamo (torch 2.11, H200) broke every decoder layer's graph at the fused call ("data-dependent branching";
+    the QuantState has a tensor-comparing __eq__ and a custom __getattr__; which one was not isolated) and the
+    layers ran at eager speed (reports/gpu/bench_quantstate_breaks.*)."""
     import torch._dynamo
 
     if quant_state.nested:
