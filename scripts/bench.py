@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -215,6 +216,9 @@ def run_one(job: dict) -> dict:
     paths = Paths(platform="local", run_dir=str(run_dir), checkpoints=f"{run_dir}/checkpoints",
                   adapter=f"{run_dir}/adapter", data=f"{run_dir}/data", reports=f"{run_dir}/reports")
     if ctx.is_main:
+        # A fresh folder per run: the checkpoints an earlier run left there would stop train() ("holds checkpoints
+        # of an earlier run"), as it must for a user's run, not for a benchmark repeated on a warm machine.
+        shutil.rmtree(run_dir, ignore_errors=True)
         paths.make()
     freetune.distributed.barrier()
 

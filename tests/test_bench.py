@@ -36,3 +36,9 @@ def test_bench_tiny_runs_all_three_paths_and_writes_the_report(tmp_path):
     assert runs["freetune"]["lora_kernel"] == "peft" and runs["freetune[fused]"]["lora_kernel"] == "fused"
     assert 0 < runs["freetune[fused]"]["profile"]["aten_calls"] < runs["freetune"]["profile"]["aten_calls"]
     assert "profile of step" in done.stdout
+    # Run again in the same folders (a warm GPU machine): each run starts afresh, whatever the last one left there.
+    again = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--tiny", "--work", str(tmp_path),
+                            "--out", str(tmp_path / "again.json"), "--runs", "freetune"],
+                           capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert [r["run"] for r in json.loads((tmp_path / "again.json").read_text())["runs"]] == ["freetune"]
