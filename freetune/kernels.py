@@ -41,7 +41,8 @@ def quant_args(quant_state) -> tuple[tuple, tuple]:
 
     if quant_state.nested:
         inner = quant_state.state2
-        tensors = (quant_state.absmax, inner.absmax, inner.code, quant_state.offset)
+        # bitsandbytes moves the nested code table to the weight's device at each call; here once, eagerly.
+        tensors = (quant_state.absmax, inner.absmax, inner.code.to(inner.absmax.device), quant_state.offset)
         nested = (inner.blocksize, inner.dtype)
     else:
         tensors = (quant_state.absmax, None, None, None)
@@ -177,6 +178,8 @@ def fusable(module) -> str:
         return "base layer has no quantisation state"
     if getattr(base.weight.quant_state, "packing_format_for_cpu", False):
         return "weight repacked for CPU inference"
+    if base.weight.dim() != 2 or base.weight.shape[1] != 1:  # _dequantize reads the (n, 1) layout Linear4bit keeps
+        return f"packed weight of shape {tuple(base.weight.shape)}"
     if module.lora_variant or any(module.use_dora.values()):
         return "a LoRA variant (DoRA, ...) has its own forward"
     if len(module.lora_A) != 1:
