@@ -33,10 +33,8 @@ FUSED_ATTR = "_freetune_fused_lora"
 def quant_args(quant_state) -> tuple[tuple, tuple]:
     """bitsandbytes' QuantState as (tensors, spec): the tensors its dequantisation reads and the constants
     (blocksize, quant_type, shape, dtype, nested blocksize, nested dtype). The fused function takes these instead
-    of the QuantState object, so a compiled layer sees plain tensors and constants only. With the object passed
-    in, dynamo (torch 2.11, H200) broke every decoder layer's graph at the fused call ("data-dependent branching";
-    the QuantState has a tensor-comparing __eq__ and a custom __getattr__; which one was not isolated) and the
-    layers ran at eager speed (reports/gpu/bench_quantstate_breaks.*)."""
+    of the QuantState object, so a compiled layer sees plain tensors and constants only (no guards on a Python
+    object's attributes, no bitsandbytes Python code to trace)."""
     import torch._dynamo
 
     if quant_state.nested:
@@ -71,7 +69,9 @@ def _function():
 
     class QLoRALinear(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, x, weight, absmax, absmax2, code2, offset, spec, bias, lora_a, lora_b, scaling: float,
+        # x, A and B (the inputs a gradient can flow to) first, then the frozen 4-bit weight, its quantisation
+        # tensors and the constants.
+        def forward(ctx, x, lora_a, lora_b, weight, absmax, absmax2, code2, offset, bias, spec, scaling: float,
                     dropout_p: float):
             compute = spec[3]
             out_dtype = x.dtype  # bitsandbytes' Linear4bit returns its input's dtype; so does this
@@ -92,7 +92,10 @@ def _function():
             ctx.spec = spec
             ctx.scaling, ctx.dropout_p = scaling, dropout_p
             ctx.x_dtype, ctx.a_dtype, ctx.b_dtype = x.dtype, lora_a.dtype, lora_b.dtype
-            return y.reshape(*shape[:-1], y.shape[-1]).to(out_dtype)
+            y = y.reshape(*shape[:-1], y.shape[-1])
+            # Cast only when the dtypes differ: traced by dynamo (torch 2.11), returning the no-op y.to(y.dtype), an
+            # alias of y, left every LoRA weight with a zero gradient (tests/test_kernels.py, torch 2.11 on a CPU).
+            return y if y.dtype == out_dtype else y.to(out_dtype)
 
         @staticmethod
         def backward(ctx, dy):
@@ -103,9 +106,9 @@ def _function():
             dy2 = dy.reshape(-1, shape[-1]).to(compute)
             grad_x = grad_a = grad_b = None
             dh = (dy2 @ b).mul_(s)                           # (tokens, r): s * dy B
-            if ctx.needs_input_grad[9]:
+            if ctx.needs_input_grad[2]:
                 grad_b = (dy2.t() @ h).mul_(s).to(ctx.b_dtype)
-            if ctx.needs_input_grad[8]:
+            if ctx.needs_input_grad[1]:
                 grad_a = (dh.t() @ xd).to(ctx.a_dtype)
             if ctx.needs_input_grad[0]:
                 w = _dequantize(weight, absmax, absmax2, code2, offset, ctx.spec)
@@ -116,7 +119,7 @@ def _function():
                 else:
                     grad_x.add_((dh @ a).mul_(mask).mul_(1.0 / (1.0 - ctx.dropout_p)))
                 grad_x = grad_x.reshape(*shape[:-1], grad_x.shape[-1]).to(ctx.x_dtype)
-            return grad_x, None, None, None, None, None, None, None, grad_a, grad_b, None, None
+            return grad_x, grad_a, grad_b, None, None, None, None, None, None, None, None, None
 
     return QLoRALinear
 
@@ -141,7 +144,10 @@ def qlora_linear(x, weight, quant, spec, bias, lora_a, lora_b, scaling: float, d
 
     weight: the packed 4-bit data as a plain tensor (Params4bit.data, see use_fused_lora), not bitsandbytes'
     Params4bit itself; quant, spec: its quantisation state as `quant_args` gives it."""
-    return (_FN or _fused_function()).apply(x, weight, *quant, spec, bias, lora_a, lora_b, scaling, dropout_p)
+    # `_FN is None`, not `_FN or ...`: dynamo (torch 2.11) cannot take the truth value of an autograd.Function
+    # class and broke the graph here ("data-dependent branching"), so every decoder layer ran in eager pieces.
+    fn = _fused_function() if _FN is None else _FN
+    return fn.apply(x, lora_a, lora_b, weight, *quant, bias, spec, scaling, dropout_p)
 
 
 def _fused_forward(self, x, *args, **kwargs):
