@@ -132,7 +132,7 @@ def _fused_function():
     compiled decoder layers then trace its forward and backward into their graphs (one graph per layer, no break:
     plain tensors in, bitsandbytes' registered ops inside). Kept out of the graph instead (torch.compiler.disable),
     each layer fell into 8 compiled pieces with 7 eager calls between them: 5,300 tokens/s and 41 GiB on an H200,
-    the plain stack's speed and memory (reports/gpu/bench_graph_breaks.json)."""
+    the plain stack's speed and memory (reports/gpu/bench_breaks_fn_disabled.json)."""
     global _FN
     if _FN is None:
         _FN = _function()

@@ -317,7 +317,7 @@ def run_one(job: dict) -> dict:
     }
     if plan.compile:
         # What the compiled layers became: one graph per layer and no break is the fast shape; breaks or graphs per
-        # length mean pieces running eagerly (the regression of reports/gpu/bench_graph_breaks.json).
+        # length mean pieces running eagerly (the regression of reports/gpu/bench_breaks_fn_disabled.json).
         from torch._dynamo.utils import counters
 
         result["dynamo"] = {"unique_graphs": counters["stats"]["unique_graphs"],
