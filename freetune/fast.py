@@ -49,8 +49,8 @@ BATCHING = ("padding_free", "grouped", "padded")
 
 # What every attention call reads runs inside the compiled decoder layers (freetune.kernels.compile_layers), so it
 # reads plain module dicts filled beforehand, never a functools.cache'd function: dynamo ignores the cache and
-# traces the function itself. Calling the cached probe from the attention function ran the whole probe in every
-# layer of every step (an H200 run dropped from 14,258 to 6,798 tokens/s, its peak memory 21 -> 41 GiB).
+# traces the function itself: calling the cached probe from the attention function ran the whole probe (a forward
+# and backward on test tensors, and a graph break) in every attention call of every step.
 _CHOSEN: dict = {}   # GPU index -> (backend or "", why): filled by varlen_works, eagerly (plan, train)
 _VARLEN: dict = {}   # "fn": torch.nn.attention.varlen.varlen_attn or None, "params": its keyword names
 
@@ -134,21 +134,22 @@ def register_attention() -> str:
 def varlen_backend(device_index: int = 0) -> str:
     """The first of VARLEN_BACKENDS that passes `varlen_works`'s check on this GPU, or "". Called in every
     attention layer: a dict lookup once the GPU is probed (train() probes before it compiles the layers)."""
-    chosen = _CHOSEN.get(device_index)
-    if chosen is None:
-        varlen_works(device_index)
-        chosen = _CHOSEN[device_index]
-    return chosen[0]
+    return _chosen(device_index)[0]
 
 
 def varlen_works(device_index: int = 0) -> tuple[bool, str]:
     """(usable, why): run the variable-length attention forward and backward on two short rows with grouped-query
     heads and compare with sdpa row by row; any error or mismatch means no (the plan then groups by length).
     Once per process and GPU."""
+    backend, why = _chosen(device_index)
+    return bool(backend), why
+
+
+def _chosen(device_index: int) -> tuple[str, str]:
+    """_probe's answer for this GPU, probed on the first call (eagerly: the plan and train() ask before compiling)."""
     if device_index not in _CHOSEN:
         _CHOSEN[device_index] = _probe(device_index)
-    backend, why = _CHOSEN[device_index]
-    return bool(backend), why
+    return _CHOSEN[device_index]
 
 
 def _probe(device_index: int) -> tuple[str, str]:

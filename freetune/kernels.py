@@ -223,20 +223,22 @@ def use_fused_lora(model) -> tuple[int, int]:
         if not isinstance(module, LoraLayer):
             continue
         seen += 1
-        if getattr(module, FUSED_ATTR, False) or not fusable(module):
-            # The packed 4-bit weight as a plain tensor (same storage) and its quantisation state, read here, outside
-            # any compiled region, again at every call (train() calls this after the model reached its GPU). The
-            # compiled layers never touch bitsandbytes' Params4bit: its Python __torch_function__ recursed without
-            # end there on H200s (in the compiled graph's runtime wrapper; and, eagerly, in the pack hook of
-            # gradient checkpointing under DDP), and costs host time on every use.
-            weight = module.base_layer.weight
-            module._freetune_packed = weight.data
-            module._freetune_quant, module._freetune_spec = quant_args(weight.quant_state)
-            torch._dynamo.mark_static(module._freetune_packed)
-            if not getattr(module, FUSED_ATTR, False):
-                module.forward = types.MethodType(_fused_forward, module)
-                setattr(module, FUSED_ATTR, True)
-            fused += 1
+        already = getattr(module, FUSED_ATTR, False)
+        if not already and fusable(module):
+            continue
+        # The packed 4-bit weight as a plain tensor (same storage) and its quantisation state, read here, outside any
+        # compiled region, again at every call (train() calls this after the model reached its GPU). The compiled
+        # layers never touch bitsandbytes' Params4bit: its Python __torch_function__ recursed without end there on
+        # H200s (in the compiled graph's runtime wrapper; and, eagerly, in the pack hook of gradient checkpointing
+        # under DDP), and costs host time on every use.
+        weight = module.base_layer.weight
+        module._freetune_packed = weight.data
+        module._freetune_quant, module._freetune_spec = quant_args(weight.quant_state)
+        torch._dynamo.mark_static(module._freetune_packed)
+        if not already:
+            module.forward = types.MethodType(_fused_forward, module)
+            setattr(module, FUSED_ATTR, True)
+        fused += 1
     return fused, seen
 
 

@@ -163,7 +163,7 @@ def test_freetune_attention_keeps_packed_rows_apart_like_separate_rows(tiny_mode
 def test_the_attention_layers_only_read_the_probed_backend_inside_compiled_code(monkeypatch):
     """Every attention call asks varlen_backend which kernel to use, inside the compiled decoder layers. It must be
     a plain lookup there: a functools.cache'd probe is traced by dynamo as if uncached and ran the whole probe in
-    every layer of every step on the GPU (half the tokens/s, twice the memory)."""
+    every attention call of every step on the GPU."""
     import torch
 
     from freetune import fast
