@@ -7,6 +7,8 @@ about it here (issue 8 has the measurements):
   position_ids restarting at 0 per row (TRL's collator does this and adds the row boundaries, cu_seq_lens).
   transformers (masking_utils.find_packed_sequence_indices) turns restarting position_ids into a
   block-diagonal causal mask, so no token attends across rows: the loss is the same as with padding.
+  The concatenated row is padded to a multiple of 8 tokens by one row that trains nothing
+  (`AlignedPaddingFree`): compiled layers recompile whenever the length's remainder mod 8 changes.
   Where the attention kernel would have to compute that mask densely over the whole packed row (a T4, or no
   variable-length kernel), `grouped` is chosen instead: padded batches of similar lengths
   (transformers' LengthGroupedSampler), which keeps the padding small and the rows apart.
@@ -108,15 +110,35 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
 
     cu = kwargs.get("cu_seq_lens_q")
     backend = varlen_backend(query.device.index or 0) if cu is not None and query.is_cuda else ""
-    if (backend and query.shape[0] == 1 and dropout == 0.0 and query.dtype in (torch.float16, torch.bfloat16)):
-        q = query[0].transpose(0, 1)  # (batch 1, heads, tokens, dim) -> (tokens, heads, dim)
-        k = key[0].transpose(0, 1)
-        v = value[0].transpose(0, 1)
+    dtype = kernel_dtype(query)
+    if backend and query.shape[0] == 1 and dropout == 0.0 and dtype is not None:
+        q = query[0].transpose(0, 1).to(dtype)  # (batch 1, heads, tokens, dim) -> (tokens, heads, dim)
+        k = key[0].transpose(0, 1).to(dtype)
+        v = value[0].transpose(0, 1).to(dtype)
         max_len = kwargs.get("max_length_q") or int(cu.diff().max())
         out = _varlen_call(q, k, v, cu.to(device=q.device, dtype=torch.int32), int(max_len), scaling, backend)
         return out.unsqueeze(0), None  # (1, tokens, heads, dim), as sdpa_attention_forward returns
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   is_causal=is_causal, **kwargs)
+
+
+def kernel_dtype(query):
+    """The 16-bit dtype FlashAttention runs `query` in, or None (then sdpa). A 4-bit model's residual stream is
+    fp32 (prepare_model_for_kbit_training upcasts the norms and embeddings, and bitsandbytes' layers return their
+    input's dtype), so under mixed precision q, k and v arrive in fp32: autocast would cast them to its 16-bit
+    dtype inside sdpa, and the same cast is done here for the varlen kernel, which autocast does not know.
+    Without it every padding-free batch went to sdpa with a dense block-diagonal mask (on an H200 cuDNN's kernel:
+    the whole (tokens x tokens) square, and ~3 ms of host time per call), seen in a GPU profile."""
+    import torch
+
+    if query.dtype in (torch.float16, torch.bfloat16):
+        return query.dtype
+    device = query.device.type
+    if query.dtype == torch.float32 and torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        if dtype in (torch.float16, torch.bfloat16):
+            return dtype
+    return None
 
 
 def register_attention() -> str:
@@ -228,8 +250,8 @@ def choose_batching(policy: str, gpus_capability: list[tuple[int, int]], micro_b
         ok, why = varlen_works(torch.cuda.current_device() if torch.cuda.is_available() else 0)
         if ok:
             return ("padding_free", VARLEN_ATTENTION,
-                    "rows concatenated, no pad tokens; variable-length FlashAttention keeps them apart "
-                    f"({why})")
+                    "rows concatenated (padded to a multiple of 8 tokens only); variable-length FlashAttention "
+                    f"keeps them apart ({why})")
         return ("grouped", "", f"padded batches of similar length, little padding (no padding-free kernel: {why})")
     return ("grouped", "", "padded batches of similar length, little padding: a T4 has no variable-length "
                            "FlashAttention, and a packed row's dense mask would cost more than the padding")
@@ -336,10 +358,58 @@ def apply_batching(trainer, batching: str) -> None:
     if batching != "padding_free":
         return
     collator = trainer.data_collator
+    if isinstance(collator, AlignedPaddingFree):
+        return
     if not hasattr(collator, "padding_free"):
         raise TypeError(f"padding-free batching needs TRL's DataCollatorForLanguageModeling, not {type(collator)}")
     collator.padding_free = True
     trainer.padding_free = True
+    trainer.data_collator = AlignedPaddingFree(collator)
+
+
+PAD_TO = 8  # padding-free sequences are padded to a multiple of this many tokens (AlignedPaddingFree)
+PAD_KEY = "freetune_pad_tokens"  # batch key: how many of a padding-free batch's tokens are that padding
+
+
+class AlignedPaddingFree:
+    """TRL's padding-free collator, its one flat sequence padded to a multiple of PAD_TO tokens by one extra row
+    that trains nothing (labels -100, positions restarting at 0, its own cu_seq_lens entry: attention keeps it
+    apart). Why: compiled layers (torch.compile with dynamic shapes) guard on the token count's divisibility by 8
+    (inductor's alignment assumptions), so an unaligned count meets a graph compiled for an aligned one and
+    recompiles, mid-run, 10-20 s each (seen on an H200: one step in four at 200-4,500 tokens/s instead of 15,000).
+    Always aligned, one graph serves every step. TRL's own pad_to_multiple_of pads with position 0 only, which
+    makes every pad token a row of its own. At most PAD_TO - 1 tokens a micro-batch; their count travels in the
+    batch under PAD_KEY for the token metrics; the trainer takes it out before the model sees the batch."""
+
+    def __init__(self, collator, multiple: int = PAD_TO):
+        self.collator, self.multiple = collator, multiple
+
+    def __getattr__(self, name):  # padding_free, pad_token_id, ...: what callers read from TRL's collator
+        return getattr(self.collator, name)
+
+    def __call__(self, examples):
+        import torch
+
+        out = self.collator(examples)
+        length = out["input_ids"].size(1)
+        pad = -length % self.multiple
+        out[PAD_KEY] = pad
+        if pad == 0:
+            return out
+
+        def extend(key, values):
+            out[key] = torch.cat([out[key], values.to(out[key].dtype).reshape(1, -1)], dim=1)
+
+        extend("input_ids", torch.full((pad,), self.collator.pad_token_id))
+        extend("labels", torch.full((pad,), -100))
+        extend("position_ids", torch.arange(pad))
+        if "seq_idx" in out:
+            extend("seq_idx", torch.full((pad,), int(out["seq_idx"].max()) + 1))
+        if "cu_seq_lens_q" in out:
+            cu = torch.cat([out["cu_seq_lens_q"], out["cu_seq_lens_q"].new_tensor([length + pad])])
+            out["cu_seq_lens_q"] = out["cu_seq_lens_k"] = cu
+            out["max_length_q"] = out["max_length_k"] = max(out["max_length_q"], pad)
+        return out
 
 
 def trainer_class(base):
@@ -356,7 +426,16 @@ def trainer_class(base):
                     and self.args.loss_type == "nll" and not self.aux_loss_enabled
                     and not (pc is not None and getattr(pc, "sp_enabled", False)))
 
+        _pad_tokens = 0  # AlignedPaddingFree's count for the batch being computed (metrics only)
+
+        def _prepare_inputs(self, inputs):
+            # Every path to the model (training step, evaluation, with or without labels) comes through here:
+            # the count leaves the batch before any model call could receive it as an argument.
+            self._pad_tokens = inputs.pop(PAD_KEY, 0) if hasattr(inputs, "pop") else 0
+            return super()._prepare_inputs(inputs)
+
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            pad, self._pad_tokens = self._pad_tokens, 0
             if not self._fast_loss_applies():
                 return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                             num_items_in_batch=num_items_in_batch)
@@ -375,7 +454,7 @@ def trainer_class(base):
                 sums = torch.stack([outputs.label_mask.sum().float(), outputs.entropy.detach().sum().float(),
                                     outputs.is_top1.sum().float(), seen.float()])
                 self._sums = sums if self._sums is None else self._sums + sums
-                host_seen = 0 if padded else inputs["position_ids"].size(1)
+                host_seen = 0 if padded else inputs["position_ids"].size(1) - pad
                 self._host = (self._host[0] + host_seen, self._host[1] + inputs["input_ids"].numel())
             return (loss, outputs) if return_outputs else loss
 
@@ -414,6 +493,6 @@ def padding_stats(batch) -> dict:
     computed = int(ids.numel())
     if "attention_mask" in batch:
         real = int(batch["attention_mask"].sum())
-    else:  # padding-free: one row; the right padding (only with pad_to_multiple_of) has position 0 runs
-        real = computed
+    else:  # padding-free: one row, its alignment padding counted by AlignedPaddingFree
+        real = computed - int(batch.get(PAD_KEY, 0))
     return {"computed_tokens": computed, "real_tokens": real, "pad_tokens": computed - real}

@@ -97,6 +97,9 @@ def make_config(paths: Paths, plan: Plan, *, max_steps: int, micro_batch: int, g
         gradient_checkpointing=gradient_checkpointing,
         gradient_checkpointing_kwargs={"use_reentrant": False},
         max_length=max_length,
+        # Compiled layers guard on the token count's divisibility by 8 and recompile when it changes; padded
+        # batches are padded to a multiple of 8 for that (padding-free ones get fast.AlignedPaddingFree's row).
+        pad_to_multiple_of=fast.PAD_TO if plan.compile and plan.batching != "padding_free" else None,
         assistant_only_loss=assistant_only,
         logging_steps=logging_steps,
         logging_first_step=True,

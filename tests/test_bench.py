@@ -19,10 +19,12 @@ def test_bench_tiny_runs_all_three_paths_and_writes_the_report(tmp_path):
     for r in runs.values():
         assert r["tokens_per_s"] > 0 and r["step_s"] > 0 and r["mfu_6n"] > 0 and len(r["losses"]) >= 2
     # The free-tier recipe is the plain stack at 1 x 8 with checkpointing; freetune's plan concatenates the
-    # rows (no padding at all) at the same rows per step, and the ratios against both baselines are filled in.
+    # rows (no padding but the alignment row) at the same rows per step, and the ratios against both baselines
+    # are filled in.
     assert (runs["free_tier"]["micro_batch"], runs["free_tier"]["grad_accum"]) == (1, 8)
     assert runs["free_tier"]["gradient_checkpointing"] is True
-    assert runs["freetune"]["batching"] == "padding_free" and runs["freetune"]["pad_fraction"] == 0.0
+    # (padding only in the alignment row: under 8 tokens a micro-batch of 8 rows of at least 16 tokens)
+    assert runs["freetune"]["batching"] == "padding_free" and 0 <= runs["freetune"]["pad_fraction"] < 8 / (8 * 16)
     assert runs["freetune"]["micro_batch"] * runs["freetune"]["grad_accum"] == 8
     assert runs["plain_best"]["batching"] == "padded"
     assert "x_free_tier" in runs["freetune"] and "x_plain_best" in runs["freetune"]
