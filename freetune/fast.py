@@ -354,7 +354,8 @@ def apply_batching(trainer, batching: str) -> None:
     """Switch an SFTTrainer's collator to padding-free. TRL refuses padding_free=True with max_length at
     construction (its check predates its own truncation step), yet truncates rows to max_length during dataset
     preparation whenever packing is off: so the trainer is built padded, with rows truncated, and only the
-    collator is switched. "grouped" is set in the config (train_sampling_strategy)."""
+    collator is switched. "grouped" is set in the config (train_sampling_strategy). The padding-free batches carry
+    PAD_KEY, which `trainer_class`'s trainer takes out before the model is called."""
     if batching != "padding_free":
         return
     collator = trainer.data_collator
@@ -385,6 +386,8 @@ class AlignedPaddingFree:
         self.collator, self.multiple = collator, multiple
 
     def __getattr__(self, name):  # padding_free, pad_token_id, ...: what callers read from TRL's collator
+        if name == "collator" or name.startswith("__"):  # not set yet (a copy or unpickling): no endless lookup
+            raise AttributeError(name)
         return getattr(self.collator, name)
 
     def __call__(self, examples):
