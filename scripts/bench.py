@@ -369,9 +369,9 @@ def main(argv=None) -> int:
                              "share the host's CPUs and their rates (and the DDP baseline) are skewed")
     parser.add_argument("--spawn", action="store_true", help="--tiny in fresh processes, as on a GPU machine")
     parser.add_argument("--runs", default=",".join(RUNS), help="comma-separated subset of: " + ", ".join(RUNS))
-    parser.add_argument("--steps", type=int, default=0,
-                        help="measured steps of the plain_best and freetune runs (default 10; more steps, less "
-                             "noise from the rows' mix of lengths, each step ~0.5 s on an H200)")
+    parser.add_argument("--steps", type=int, default=10,
+                        help="measured steps of the plain_best and freetune runs (more steps, less noise from the "
+                             "rows' mix of lengths; each step ~0.5 s on an H200)")
     parser.add_argument("--variants", default="",
                         help="extra freetune runs with plan choices changed, ';'-separated 'label:field=value,...' "
                              "(e.g. 'eager:compile=false;peft:lora_kernel=peft,optimizer=paged_adamw_8bit'); also the "
@@ -403,9 +403,8 @@ def main(argv=None) -> int:
     else:
         modes = {m: MODES[m] for m in args.modes.split(",")}
         # Warm-up: the first steps grow the allocator to the batch shapes (packed lengths vary every step).
-        measured = args.steps or 10
-        lengths, max_length, steps = (300, 1200), 1024, dict(free_tier=(1, 3), plain_best=(3, measured),
-                                                             freetune=(3, measured))
+        lengths, max_length, steps = (300, 1200), 1024, dict(free_tier=(1, 3), plain_best=(3, args.steps),
+                                                             freetune=(3, args.steps))
     peak = measure_matmul_tflops(device)
     report = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "gpus": gpus,
               "torch": torch.__version__, "matmul_tflops": {k: round(v, 3) for k, v in peak.items()},
