@@ -53,6 +53,65 @@ def context() -> DistContext:
     return DistContext(rank, local_rank, world_size, backend, f"cuda:{local_rank}" if cuda else "cpu", node, nodes)
 
 
+def physical_cores(cpus: set[int]) -> list[list[int]]:
+    """The CPUs in `cpus` grouped by physical core (hyper-threads of one core together), in core order. Read from
+    sysfs; a CPU whose topology cannot be read counts as a core of its own."""
+    cores: dict[int, list[int]] = {}
+    for cpu in sorted(cpus):
+        try:
+            text = open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read().strip()
+            siblings = _cpu_list(text)
+        except (OSError, ValueError):
+            siblings = {cpu}
+        cores.setdefault(min(siblings | {cpu}), []).append(cpu)
+    return [cores[k] for k in sorted(cores)]
+
+
+def _cpu_list(text: str) -> set[int]:
+    """sysfs' "0-3,8,10-11" -> {0, 1, 2, 3, 8, 10, 11}."""
+    out: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def cpus_for_local_rank(cores: list[list[int]], local_rank: int, local_world: int) -> set[int] | None:
+    """An equal, disjoint share of whole physical cores for each process on this host (the first ranks take one
+    more when they do not divide evenly); None when there are fewer cores than processes."""
+    if local_world < 2 or len(cores) < local_world:
+        return None
+    per, extra = divmod(len(cores), local_world)
+    start = local_rank * per + min(local_rank, extra)
+    share = cores[start:start + per + (1 if local_rank < extra else 0)]
+    return {cpu for core in share for cpu in core}
+
+
+def bind_cpus(ctx: DistContext) -> set[int] | None:
+    """Keep each GPU process on its own physical cores (set FREETUNE_CPU_BINDING=off to leave the OS to place them).
+
+    Why: a QLoRA step of a small model is bound by the host (Python, kernel launches; the GPU is busy for under
+    half of it), so each rank's speed is its main thread's speed. Left alone, the scheduler may put the two ranks'
+    busy threads on the two hyper-threads of one core, or move them around; the slower rank then makes the other
+    wait at every gradient all-reduce. Only for CUDA ranks, all on one host, with at least one core each."""
+    if os.environ.get("FREETUNE_CPU_BINDING", "cores") == "off" or not ctx.distributed:
+        return None
+    if not ctx.device.startswith("cuda") or not hasattr(os, "sched_setaffinity"):
+        return None
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size))
+    cpus = cpus_for_local_rank(physical_cores(os.sched_getaffinity(0)), ctx.local_rank, local_world)
+    if not cpus:
+        return None
+    # Every thread this process already has (sched_setaffinity(0) moves the calling thread only); the threads
+    # started later (autograd, NCCL) inherit it.
+    for task in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(task), cpus)
+        except OSError:
+            pass
+    return cpus
+
+
 def init(timeout_s: int = COLLECTIVE_TIMEOUT_S) -> DistContext:
     """Join the process group (when under torchrun with >1 process) with a finite collective timeout."""
     import torch
@@ -61,6 +120,7 @@ def init(timeout_s: int = COLLECTIVE_TIMEOUT_S) -> DistContext:
     ctx = context()
     if os.environ.get("FREETUNE_TRACE_WRITES") == "1" and WriteTracer.active is None:
         WriteTracer.active = WriteTracer()
+    bound = bind_cpus(ctx)
     if ctx.device.startswith("cuda"):
         torch.cuda.set_device(ctx.local_rank)
     if ctx.distributed and not dist.is_initialized():
@@ -74,9 +134,22 @@ def init(timeout_s: int = COLLECTIVE_TIMEOUT_S) -> DistContext:
         import socket
 
         writes = " (global rank 0: the only one that writes)" if ctx.is_main else ""
+        where = f", CPUs {_cpu_ranges(bound)}" if bound else ""
         print(f"node {ctx.node} of {ctx.nodes} ({socket.gethostname()}): global rank {ctx.rank} of "
-              f"{ctx.world_size}, local rank {ctx.local_rank} on {ctx.device} ({ctx.backend}){writes}", flush=True)
+              f"{ctx.world_size}, local rank {ctx.local_rank} on {ctx.device}{where} ({ctx.backend}){writes}",
+              flush=True)
     return ctx
+
+
+def _cpu_ranges(cpus: set[int]) -> str:
+    """{0, 1, 2, 16, 17, 18} -> "0-2,16-18"."""
+    runs: list[list[int]] = []
+    for cpu in sorted(cpus):
+        if runs and cpu == runs[-1][1] + 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
 
 
 def barrier() -> None:

@@ -113,6 +113,9 @@ def make_config(paths: Paths, plan: Plan, *, max_steps: int, micro_batch: int, g
         # DDP: every LoRA weight gets a gradient each step, so the unused-parameter search is pure overhead;
         # a finite timeout ends the job within minutes when one rank dies.
         ddp_find_unused_parameters=False,
+        # No buffer broadcast before every forward: a decoder's buffers (rotary frequencies) never change, and
+        # the broadcast is one more point per step where every rank waits for rank 0.
+        ddp_broadcast_buffers=False,
         ddp_timeout=COLLECTIVE_TIMEOUT_S,
         dataloader_num_workers=0,
         # Similar lengths in a padded batch: little padding where rows cannot be concatenated (freetune.fast).

@@ -146,6 +146,37 @@ def measure_matmul_tflops(device: str) -> dict:
 
 # ----------------------------------------------------------------------------------------------- worker --
 
+def thread_cpu() -> dict[int, tuple[str, float, int]]:
+    """This process's threads from /proc: {thread id: (name, CPU seconds so far, involuntary context switches)}.
+    Two snapshots give each thread's share of a stretch of steps: which threads a rank runs besides its main one,
+    and whether the main thread was preempted (its CPU taken by another thread or process)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        base = f"/proc/self/task/{tid}"
+        try:
+            name = Path(f"{base}/comm").read_text().strip()
+            stat = Path(f"{base}/stat").read_text()
+            fields = stat[stat.rindex(")") + 2:].split()  # from field 3 (state) on; utime, stime are fields 14, 15
+            status = Path(f"{base}/status").read_text()
+            preempted = next(int(line.split()[1]) for line in status.splitlines()
+                             if line.startswith("nonvoluntary_ctxt_switches"))
+            out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / tick, preempted)
+        except (OSError, ValueError, IndexError, StopIteration):
+            continue  # a thread that ended between the listing and the read
+    return out
+
+
+def thread_cpu_between(before: dict, after: dict, top: int = 8) -> list[list]:
+    """[name (main thread marked), CPU seconds, involuntary switches] of the busiest threads between two snapshots."""
+    rows = []
+    for tid, (name, cpu, preempted) in after.items():
+        _, cpu0, preempted0 = before.get(tid, (name, 0.0, 0))
+        label = f"{name} (main)" if tid == os.getpid() else name
+        rows.append([label, round(cpu - cpu0, 2), preempted - preempted0])
+    return sorted(rows, key=lambda r: -r[1])[:top]
+
+
 def _step_profiler_class():
     from transformers import TrainerCallback
 
@@ -154,8 +185,8 @@ def _step_profiler_class():
         kernel durations), kernel launches and ATen calls, and the top kernels / host-side ops printed to the log.
         A step whose GPU is busy for a fraction of its wall time is bound by the host (launches, Python, syncs)."""
 
-        def __init__(self, warmup: int, cuda: bool):
-            self.warmup, self.cuda, self.prof, self.summary = warmup, cuda, None, {}
+        def __init__(self, warmup: int, cuda: bool, rank: int = 0):
+            self.warmup, self.cuda, self.rank, self.prof, self.summary = warmup, cuda, rank, None, {}
 
         def on_step_begin(self, args, state, control, **kwargs):
             import torch
@@ -186,12 +217,14 @@ def _step_profiler_class():
                             "gpu_busy_share": round(busy / wall, 3) if wall else None,
                             "kernels": len(kernels), "aten_calls": aten}
             averages = self.prof.key_averages()
-            print(f"profile of step {state.global_step}: {self.summary}", flush=True)
+            print(f"rank {self.rank}: profile of step {state.global_step}: {self.summary}", flush=True)
             sort = "self_device_time_total" if self.cuda else "self_cpu_time_total"
-            print(averages.table(sort_by=sort, row_limit=18, max_name_column_width=60), flush=True)
+            # One print per table: under torchrun the ranks' lines interleave, a table at a time stays readable.
+            print(f"rank {self.rank}:\n" + averages.table(sort_by=sort, row_limit=18, max_name_column_width=60),
+                  flush=True)
             if self.cuda:
-                print(averages.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60),
-                      flush=True)
+                print(f"rank {self.rank}:\n" + averages.table(sort_by="self_cpu_time_total", row_limit=12,
+                                                                max_name_column_width=60), flush=True)
 
     return StepProfiler
 
@@ -268,20 +301,31 @@ def run_one(job: dict) -> dict:
         save_steps=100_000, seed=0)
 
     class Timer(TrainerCallback):
-        """Wall time at the end of the warm-up and of the measured steps (the GPU drained at both marks)."""
+        """Wall time at the end of the warm-up and of the measured steps (the GPU drained at both marks), and the
+        CPU time of each of this process's threads in between (printed by every rank: under DDP, which rank's host
+        is the slower one and why)."""
 
         def __init__(self):
-            self.marks = {}
+            self.marks, self.threads = {}, {}
 
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step in (warmup, total_steps):
                 if cuda:
                     torch.cuda.synchronize()
                 self.marks[state.global_step] = time.perf_counter()
+                self.threads[state.global_step] = thread_cpu()
+                if state.global_step == total_steps and warmup in self.threads:
+                    self.busiest = thread_cpu_between(self.threads[warmup], self.threads[total_steps])
+                    wall = self.marks[total_steps] - self.marks[warmup]
+                    print(f"rank {ctx.rank}: CPU seconds per thread over the {measured} measured steps ({wall:.2f} s "
+                          f"wall; involuntary switches): " + ", ".join(f"{n} {c:.2f} s ({p})"
+                                                                       for n, c, p in self.busiest), flush=True)
 
     timer = Timer()
-    # The profiled step comes after the measured ones: the profiler's own overhead stays out of the timings.
-    profiler = _step_profiler_class()(total_steps, cuda) if job.get("profile") and ctx.is_main else None
+    # The profiled step comes after the measured ones: the profiler's own overhead stays out of the timings. Every
+    # rank profiles the same step (under DDP the ranks wait for each other, so one rank's wait is the other's work);
+    # the report keeps rank 0's summary, the log has every rank's tables.
+    profiler = _step_profiler_class()(total_steps, cuda, ctx.rank) if job.get("profile") else None
     callbacks = [timer] + ([profiler] if profiler is not None else [])
     if job["run"].startswith("freetune"):
         freetune.train.train(model, tokenizer, dataset, config, paths=paths, resume=False, extra_callbacks=callbacks)
@@ -325,6 +369,8 @@ def run_one(job: dict) -> dict:
                             "frames_ok": counters["frames"]["ok"], "frames_total": counters["frames"]["total"]}
     if profiler is not None and profiler.summary:
         result["profile"] = profiler.summary
+    if getattr(timer, "busiest", None):
+        result["thread_cpu_s"] = timer.busiest  # rank 0's; every rank's are in the log
     if cuda:
         result["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
         result["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 3)
@@ -495,8 +541,11 @@ def main(argv=None) -> int:
             if not args.ddp_only:
                 single_gpu([j for j in jobs if j["mode"] != "uncapped"])
     for other in args.merge:
-        # Their measured runs only: a run that failed or was skipped there says nothing here.
-        report["runs"] += [r for r in json.loads(Path(other).read_text())["runs"] if "failed" not in r]
+        # Their measured runs only: a run that failed or was skipped there says nothing here; and none that this
+        # call measured again (the new measurement is the one the ratios use).
+        mine = {(r["mode"], r["run"], r["world_size"]) for r in report["runs"] if "failed" not in r}
+        report["runs"] += [r for r in json.loads(Path(other).read_text())["runs"]
+                           if "failed" not in r and (r["mode"], r["run"], r["world_size"]) not in mine]
         report.setdefault("merged_from", []).append(other)
     summarise(report)
     out.write_text(json.dumps(report, indent=1))

@@ -38,9 +38,16 @@ def test_bench_tiny_runs_all_three_paths_and_writes_the_report(tmp_path):
     assert runs["freetune"]["lora_kernel"] == "peft" and runs["freetune[fused]"]["lora_kernel"] == "fused"
     assert 0 < runs["freetune[fused]"]["profile"]["aten_calls"] < runs["freetune"]["profile"]["aten_calls"]
     assert "profile of step" in done.stdout
+    # Each run's threads over the measured steps, from /proc: the main thread is there and did the work.
+    threads = {name: cpu for name, cpu, _ in runs["freetune"]["thread_cpu_s"]}
+    assert any(name.endswith("(main)") and cpu > 0 for name, cpu in threads.items()), threads
     # Run again in the same folders (a warm GPU machine): each run starts afresh, whatever the last one left there.
+    # Merged with the first report, the new freetune run replaces the old one and is compared with the old baselines.
     again = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--tiny", "--work", str(tmp_path),
-                            "--out", str(tmp_path / "again.json"), "--runs", "freetune"],
+                            "--out", str(tmp_path / "again.json"), "--runs", "freetune", "--merge", str(out)],
                            capture_output=True, text=True, timeout=300, cwd=REPO)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert [r["run"] for r in json.loads((tmp_path / "again.json").read_text())["runs"]] == ["freetune"]
+    merged = json.loads((tmp_path / "again.json").read_text())["runs"]
+    assert [r["run"] for r in merged] == ["freetune", "free_tier", "plain_best", "freetune[fused]"]
+    new = merged[0]
+    assert new["x_free_tier"] == round(new["tokens_per_s"] / runs["free_tier"]["tokens_per_s"], 2)

@@ -1,9 +1,15 @@
-"""The torchrun launcher the Kaggle notebooks use: real torchrun, 2 processes, gloo on the CPU."""
+"""The torchrun launcher the Kaggle notebooks use (real torchrun, 2 processes, gloo on the CPU), and the CPU binding
+of GPU ranks."""
 
+import json
+import os
+import subprocess
+import sys
 import time
 
 import pytest
 
+from freetune.distributed import cpus_for_local_rank, physical_cores
 from freetune.errors import FreetuneError
 from freetune.launch import run_torchrun
 
@@ -40,3 +46,64 @@ def test_a_failing_rank_fails_the_cell_fast_with_its_error(tmp_path):
     assert time.time() - start < 60, "a dead rank must end the job quickly, not after a collective timeout"
     message = str(info.value)
     assert "rank 1 reported" in message and "ValueError: boom on rank 1" in message
+
+
+# ---- CPU binding of GPU ranks (freetune.distributed.bind_cpus) ----------------------------------------------
+
+
+def test_each_local_rank_gets_whole_cores_of_its_own():
+    # 4 cores with two hyper-threads each, numbered as Linux numbers them (siblings 16 apart).
+    cores = [[0, 16], [1, 17], [2, 18], [3, 19]]
+    shares = [cpus_for_local_rank(cores, rank, 2) for rank in range(2)]
+    assert shares == [{0, 16, 1, 17}, {2, 18, 3, 19}]  # siblings stay together: no rank shares a core
+    three = [cpus_for_local_rank(cores[:3], rank, 2) for rank in range(2)]
+    assert three == [{0, 16, 1, 17}, {2, 18}]  # the first ranks take the core left over
+    assert cpus_for_local_rank(cores[:1], 0, 2) is None  # fewer cores than ranks: no binding
+    assert cpus_for_local_rank(cores, 0, 1) is None  # one process: nothing to keep apart
+
+
+def test_physical_cores_cover_every_allowed_cpu_once():
+    allowed = os.sched_getaffinity(0)
+    cores = physical_cores(allowed)
+    flat = [cpu for core in cores for cpu in core]
+    assert sorted(flat) == sorted(allowed) and len(flat) == len(set(flat))
+
+
+BIND_SCRIPT = '''
+import json, os, sys, threading, time
+from freetune.distributed import DistContext, bind_cpus
+rank = int(sys.argv[1])
+stop = threading.Event()
+early = threading.Thread(target=stop.wait)  # a thread that exists before the binding, as CUDA's and NCCL's may
+early.start()
+ctx = DistContext(rank=rank, local_rank=rank, world_size=2, backend="nccl", device=sys.argv[2])
+bound = bind_cpus(ctx)
+threads = {t: sorted(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")}
+stop.set()
+print(json.dumps({"bound": sorted(bound) if bound else None, "threads": threads}))
+'''
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to give 2 ranks one each")
+def test_gpu_ranks_are_bound_to_disjoint_cpus_with_all_their_threads(tmp_path):
+    script = tmp_path / "bind.py"
+    script.write_text(BIND_SCRIPT)
+    env = {**os.environ, "LOCAL_WORLD_SIZE": "2"}
+    env.pop("FREETUNE_CPU_BINDING", None)
+
+    def run(rank, device="cuda:0", **extra):
+        out = subprocess.run([sys.executable, str(script), str(rank), device], env={**env, **extra},
+                             capture_output=True, text=True, check=True).stdout
+        return json.loads(out)
+
+    first, second = run(0), run(1, "cuda:1")
+    assert first["bound"] and second["bound"] and not set(first["bound"]) & set(second["bound"])
+    assert set(first["bound"]) | set(second["bound"]) == os.sched_getaffinity(0)
+    for result in (first, second):  # every thread, the one started before the binding too
+        assert len(result["threads"]) >= 2
+        assert all(cpus == result["bound"] for cpus in result["threads"].values())
+    everything = sorted(os.sched_getaffinity(0))
+    off = run(0, FREETUNE_CPU_BINDING="off")  # the switch leaves the OS to place the process
+    assert off["bound"] is None and all(cpus == everything for cpus in off["threads"].values())
+    cpu_rank = run(0, "cpu")  # gloo ranks on a CPU (CI): not bound, they need every core they can get
+    assert cpu_rank["bound"] is None
