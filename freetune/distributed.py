@@ -93,7 +93,10 @@ def bind_cpus(ctx: DistContext) -> set[int] | None:
     Why: a QLoRA step of a small model is bound by the host (Python, kernel launches; the GPU is busy for under
     half of it), so each rank's speed is its main thread's speed. Left alone, the scheduler may put the two ranks'
     busy threads on the two hyper-threads of one core, or move them around; the slower rank then makes the other
-    wait at every gradient all-reduce. Only for CUDA ranks, all on one host, with at least one core each."""
+    wait at every gradient all-reduce. Only for CUDA ranks, all on one host, with at least one core each.
+    Measured once on 2 x H200 (32 vCPUs): 45,759 tokens/s bound, 39,761 not (reports/gpu/ddp_cpu_binding.json,
+    ddp_no_cpu_binding.json), within the spread between calls; a Python loop ran ~30% faster in processes bound
+    to 16 CPUs each than unbound."""
     if os.environ.get("FREETUNE_CPU_BINDING", "cores") == "off" or not ctx.distributed:
         return None
     if not ctx.device.startswith("cuda") or not hasattr(os, "sched_setaffinity"):
