@@ -306,16 +306,17 @@ def run_one(job: dict) -> dict:
         is the slower one and why)."""
 
         def __init__(self):
-            self.marks, self.threads = {}, {}
+            self.marks, self.threads_at_warmup, self.busiest = {}, None, []
 
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step in (warmup, total_steps):
                 if cuda:
                     torch.cuda.synchronize()
                 self.marks[state.global_step] = time.perf_counter()
-                self.threads[state.global_step] = thread_cpu()
-                if state.global_step == total_steps and warmup in self.threads:
-                    self.busiest = thread_cpu_between(self.threads[warmup], self.threads[total_steps])
+                if state.global_step == warmup:
+                    self.threads_at_warmup = thread_cpu()
+                elif self.threads_at_warmup is not None:
+                    self.busiest = thread_cpu_between(self.threads_at_warmup, thread_cpu())
                     wall = self.marks[total_steps] - self.marks[warmup]
                     print(f"rank {ctx.rank}: CPU seconds per thread over the {measured} measured steps ({wall:.2f} s "
                           f"wall; involuntary switches): " + ", ".join(f"{n} {c:.2f} s ({p})"
@@ -369,7 +370,7 @@ def run_one(job: dict) -> dict:
                             "frames_ok": counters["frames"]["ok"], "frames_total": counters["frames"]["total"]}
     if profiler is not None and profiler.summary:
         result["profile"] = profiler.summary
-    if getattr(timer, "busiest", None):
+    if timer.busiest:
         result["thread_cpu_s"] = timer.busiest  # rank 0's; every rank's are in the log
     if cuda:
         result["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
@@ -543,9 +544,10 @@ def main(argv=None) -> int:
     for other in args.merge:
         # Their measured runs only: a run that failed or was skipped there says nothing here; and none that this
         # call measured again (the new measurement is the one the ratios use).
-        mine = {(r["mode"], r["run"], r["world_size"]) for r in report["runs"] if "failed" not in r}
+        key = lambda r: (r["mode"], r["run"], r["world_size"])  # noqa: E731
+        mine = {key(r) for r in report["runs"] if "failed" not in r}
         report["runs"] += [r for r in json.loads(Path(other).read_text())["runs"]
-                           if "failed" not in r and (r["mode"], r["run"], r["world_size"]) not in mine]
+                           if "failed" not in r and key(r) not in mine]
         report.setdefault("merged_from", []).append(other)
     summarise(report)
     out.write_text(json.dumps(report, indent=1))

@@ -70,7 +70,7 @@ def test_physical_cores_cover_every_allowed_cpu_once():
 
 
 BIND_SCRIPT = '''
-import json, os, sys, threading, time
+import json, os, sys, threading
 from freetune.distributed import DistContext, bind_cpus
 rank = int(sys.argv[1])
 stop = threading.Event()
