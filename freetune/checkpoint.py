@@ -330,6 +330,7 @@ def stop_callback(budget_s: float | None, budget_text: str):
             self.reason: str | None = None
             self.sigterm = False
             self.started = self.first_step = None
+            self.agreement = StopAgreement()
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.started, self.first_step = time.monotonic(), state.global_step
@@ -341,9 +342,11 @@ def stop_callback(budget_s: float | None, budget_text: str):
             elif budget_s is not None:
                 elapsed = time.monotonic() - self.started
                 per_step = elapsed / max(state.global_step - self.first_step, 1)
-                if elapsed + per_step >= budget_s:  # the next step would end past the budget
+                # The stop comes `lag` steps after the flag is raised (the ranks learn it a step later), so the
+                # check looks that much further ahead: the last step still ends inside the budget.
+                if elapsed + (1 + self.agreement.lag) * per_step >= budget_s:
                     flag = self.BUDGET
-            flag = _agree_max(flag, args.device)
+            flag = self.agreement.exchange(flag, args.device)
             if flag and state.global_step < state.max_steps:
                 self.reason = "SIGTERM received" if flag == self.SIGTERM else f"time budget of {budget_text} reached"
                 control.should_save = True
@@ -355,16 +358,60 @@ def stop_callback(budget_s: float | None, budget_text: str):
     return StopAndSave()
 
 
-def _agree_max(flag: int, device) -> int:
-    """The largest flag over all ranks (every rank calls this at every step, so all stop at the same one)."""
-    import torch
-    import torch.distributed as dist
+class StopAgreement:
+    """Every rank's stop flag, agreed on without making the host wait for the GPU.
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-        return flag
-    tensor = torch.tensor([flag], dtype=torch.int32, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return int(tensor.item())
+    Under DDP all ranks must stop at the same step, so each step end takes the largest flag over the ranks. Read
+    at once (an all_reduce, then .item()), that is a host sync at every step: the CPU waits for everything queued
+    on the GPU, including the other rank's gradients, and the two ranks then run in lock step, each waiting for
+    the slower one's host at every step. Here the step's all_reduce and its copy to pinned host memory are only
+    queued, and read at the next step end, by which time they have long finished: every rank stops one step
+    after a flag is raised, all at the same step. One process: the flag itself, at once (`lag` 0)."""
+
+    def __init__(self):
+        self.pending = None  # (what to wait on, the tensor holding the agreed flag)
+
+    @property
+    def lag(self) -> int:
+        import torch.distributed as dist
+
+        return 1 if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else 0
+
+    def exchange(self, flag: int, device) -> int:
+        """Queue this step's flag; return the flag agreed at the previous step (0 at the first)."""
+        import torch
+        import torch.distributed as dist
+
+        if not self.lag:
+            return flag
+        agreed = self.collect()
+        # torch.full, not torch.tensor([flag], device=...): a copy from host memory would wait for the GPU too.
+        tensor = torch.full((1,), flag, dtype=torch.int32, device=device)
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, async_op=True)
+        if tensor.is_cuda:
+            work.wait()  # NCCL: the current stream waits for the all_reduce; the host goes on
+            host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+            host.copy_(tensor, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            self.pending = (done, host)
+        else:  # gloo: the host runs the collective itself; waited for at the next step
+            self.pending = (work, tensor)
+        return agreed
+
+    def collect(self) -> int:
+        """The flag agreed at the last exchange (0 if none is pending)."""
+        if self.pending is None:
+            return 0
+        import torch
+
+        waitable, tensor = self.pending
+        self.pending = None
+        if isinstance(waitable, torch.cuda.Event):
+            waitable.synchronize()  # long reached: the GPU has run a whole step since
+        else:
+            waitable.wait()  # gloo's Work (its own synchronize() does not wait for the result)
+        return int(tensor.item())
 
 
 @contextmanager

@@ -27,7 +27,9 @@ about it here (issue 8 has the measurements):
 - Host round trips. TRL's compute_loss calls .item() and gathers across ranks three times per micro-batch
   for its entropy / token-accuracy / token-count metrics: a device sync each time, which serialises the
   CPU with the GPU, and under DDP three extra collectives per micro-batch. `trainer_class` keeps the same
-  sums on the GPU and reads them once per log step (same values in the log, a fraction of the syncs).
+  sums on the GPU and reads them once per log step (same values in the log, a fraction of the syncs). The
+  Trainer's other per-step syncs are off in freetune.train.make_config (the blocking batch copy, the NaN filter)
+  and freetune.checkpoint.StopAgreement (the ranks' stop flag, read a step late).
 - The micro-batch (freetune.preflight.make_plan) and gradient checkpointing (dropped when the plan's memory
   estimate fits the full batch without it: the recompute costs ~30% of the step).
 - The loss head: TRL (>= 1.x) already scores tokens in tiles and never holds the (tokens x vocabulary) logits;

@@ -118,6 +118,16 @@ def make_config(paths: Paths, plan: Plan, *, max_steps: int, micro_batch: int, g
         ddp_broadcast_buffers=False,
         ddp_timeout=COLLECTIVE_TIMEOUT_S,
         dataloader_num_workers=0,
+        # No host sync per micro-batch (a QLoRA step of a small model is bound by the host: each sync leaves the GPU
+        # idle while the CPU catches up, and under DDP makes every rank wait for the slowest at that point):
+        # - the batch goes to the GPU from pinned memory without waiting (a plain .to(device) waits for everything
+        #   queued on the GPU first);
+        # - no check of each micro-batch's loss for NaN/inf (the Trainer's filter reads it on the host, waiting for
+        #   the whole backward and, under DDP, the gradient all-reduce); a NaN loss shows in the log as NaN
+        #   rather than being replaced by the average of earlier ones.
+        dataloader_pin_memory=plan.device == "cuda",
+        accelerator_config={"non_blocking": plan.device == "cuda"},
+        logging_nan_inf_filter=False,
         # Similar lengths in a padded batch: little padding where rows cannot be concatenated (freetune.fast).
         # "rank_balanced" is freetune's own (fast.RankBalancedSampler), put in by the trainer class.
         train_sampling_strategy="group_by_length" if plan.sampler == "length_grouped" else "random",
@@ -204,7 +214,8 @@ def train(model, tokenizer, train_dataset, config, *, paths: Paths, eval_dataset
 
     resume: continue from the newest complete checkpoint of this run (paths.checkpoints, or the Hub).
     time_budget_min: stop and save after this many minutes; 0 = the platform's session limit minus a margin
-        (Colab/Kaggle), none locally. SIGTERM stops and saves the same way.
+        (Colab/Kaggle), none locally. SIGTERM stops and saves the same way (under DDP one step later: the ranks
+        agree on it without waiting for the GPU, checkpoint.StopAgreement).
     hub_checkpoint_repo: a private Hub repo ("you/some-repo") that receives each complete checkpoint; "" = off.
         Needs HF_TOKEN (Colab/Kaggle secrets or the environment): missing, it fails here, before any training.
     hub_api: a huggingface_hub.HfApi-like object to use instead of a real one (tests).

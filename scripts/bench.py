@@ -297,18 +297,34 @@ def run_one(job: dict) -> dict:
     config = freetune.train.make_config(
         paths, plan, max_steps=total_steps + (1 if job.get("profile") else 0), micro_batch=plan.micro_batch,
         grad_accum=plan.grad_accum,
-        learning_rate=1e-4, max_length=job["max_length"], optimizer=plan.optimizer, logging_steps=1,
+        learning_rate=1e-4, max_length=job["max_length"], optimizer=plan.optimizer,
+        logging_steps=job.get("logging_steps", 1),
         save_steps=100_000, seed=0)
 
     class Timer(TrainerCallback):
-        """Wall time at the end of the warm-up and of the measured steps (the GPU drained at both marks), and the
-        CPU time of each of this process's threads in between (printed by every rank: under DDP, which rank's host
-        is the slower one and why)."""
+        """Wall time at the end of the warm-up and of the measured steps (the GPU drained at both marks), the CPU
+        time of each of this process's threads in between, and where each measured step's host time went (both
+        printed by every rank: under DDP, which rank's host is the slower one, and where the other one waits).
+        Last in the callback list: its step end comes after the stop callback's."""
 
         def __init__(self):
             self.marks, self.threads_at_warmup, self.busiest = {}, None, []
+            self.phases, self.begin, self.pre_optimizer, self.end = [], None, None, None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            now = time.perf_counter()
+            if warmup <= state.global_step < total_steps and self.end is not None:
+                self.phases.append([0.0, 0.0, now - self.end])  # the last step end -> now: logging, next batch
+            self.begin = now
+
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            self.pre_optimizer = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
+            now = time.perf_counter()
+            if warmup < state.global_step <= total_steps and self.phases:
+                self.phases[-1][:2] = [self.pre_optimizer - self.begin, now - self.pre_optimizer]
+            self.end = now
             if state.global_step in (warmup, total_steps):
                 if cuda:
                     torch.cuda.synchronize()
@@ -321,6 +337,26 @@ def run_one(job: dict) -> dict:
                     print(f"rank {ctx.rank}: CPU seconds per thread over the {measured} measured steps ({wall:.2f} s "
                           f"wall; involuntary switches): " + ", ".join(f"{n} {c:.2f} s ({p})"
                                                                        for n, c, p in self.busiest), flush=True)
+                    print(f"rank {ctx.rank}: host ms per measured step, median (max): " + ", ".join(
+                        f"{name} {ms[0]:.1f} ({ms[1]:.1f})" for name, ms in self.phase_summary().items()), flush=True)
+
+        def phase_summary(self) -> dict:
+            """Median and max host milliseconds per step of: forward + backward (and the syncs inside them), the
+            optimizer and the step-end callbacks, and the gap to the next step (logging, the next batch)."""
+            names = ("forward_backward", "optimizer_step_end", "log_and_next_batch")
+            out = {}
+            for i, name in enumerate(names):
+                values = sorted(1000 * p[i] for p in self.phases)
+                if values:
+                    out[name] = [round(values[len(values) // 2], 1), round(values[-1], 1)]
+            return out
+
+    if not job["run"].startswith("freetune"):
+        # The plain stack as it comes: the Trainer's defaults that freetune.train.make_config changes to cut host
+        # syncs (a blocking copy of each batch to the GPU, the NaN check of every micro-batch's loss).
+        config.logging_nan_inf_filter = True
+        config.dataloader_pin_memory = True
+        config.accelerator_config.non_blocking = False
 
     timer = Timer()
     # The profiled step comes after the measured ones: the profiler's own overhead stays out of the timings. Every
@@ -358,7 +394,7 @@ def run_one(job: dict) -> dict:
         "pad_fraction": round(sum(pads) / len(pads), 4) if pads else None,
         "losses": [round(h["loss"], 4) for h in history if "loss" in h],
         "lora_kernel": plan.lora_kernel, "compile": plan.compile, "optimizer": plan.optimizer,
-        "sampler": plan.sampler,
+        "sampler": plan.sampler, "logging_steps": config.logging_steps,
     }
     if plan.compile:
         # What the compiled layers became: one graph per layer and no break is the fast shape; breaks or graphs per
@@ -372,6 +408,8 @@ def run_one(job: dict) -> dict:
         result["profile"] = profiler.summary
     if timer.busiest:
         result["thread_cpu_s"] = timer.busiest  # rank 0's; every rank's are in the log
+    if timer.phases:
+        result["host_phase_ms"] = timer.phase_summary()  # rank 0's; every rank's are in the log
     if cuda:
         result["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
         result["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 3)
@@ -423,6 +461,10 @@ def main(argv=None) -> int:
                         help="extra freetune runs with plan choices changed, ';'-separated 'label:field=value,...' "
                              "(e.g. 'eager:compile=false;peft:lora_kernel=peft,optimizer=paged_adamw_8bit'); also the "
                              "experiment liger=true (Liger's RMSNorm/SwiGLU/RoPE, liger-kernel installed)")
+    parser.add_argument("--logging-steps", type=int, default=1,
+                        help="every run logs every N steps (each log step reads the metrics on the host: a sync); "
+                             "the warm-up and measured steps are rounded up to multiples of N, the token counts being "
+                             "read from the log. The recipes log every 5")
     parser.add_argument("--profile", action="store_true",
                         help="profile one more step after the measured ones (torch.profiler): GPU busy share, "
                              "kernels, top ops in the log")
@@ -470,13 +512,14 @@ def main(argv=None) -> int:
             rows_file.write_text(json.dumps(synthetic_rows(256, shape.vocab, lengths)))
         runs = [(run, {}) for run in RUNS if run in args.runs.split(",")]
         runs += [(f"freetune[{label}]", overrides) for label, overrides in parse_variants(args.variants)]
+        every = max(args.logging_steps, 1)
         for run, overrides in runs:
-            warmup, measured = steps[base_run(run)]
+            warmup, measured = (-(-n // every) * every for n in steps[base_run(run)])
             jobs.append(dict(mode=mode, run=run, shape=spec["shape"], cap_gib=spec["cap_gib"],
                              precision=spec["precision"], max_length=max_length, warmup=warmup, steps=measured,
                              model=str(model_dir), tokenizer=str(tokenizer_dir), rows=str(rows_file),
                              work=str(work), world=1, batching="padding_free" if args.tiny else None,
-                             overrides=overrides, profile=args.profile))
+                             overrides=overrides, profile=args.profile, logging_steps=every))
     if device == "cuda":
         torch.cuda.empty_cache()
     ddp_jobs = [] if (args.no_ddp or gpus < 2 or "uncapped" not in modes) else [

@@ -44,10 +44,19 @@ def test_bench_tiny_runs_all_three_paths_and_writes_the_report(tmp_path):
     # Run again in the same folders (a warm GPU machine): each run starts afresh, whatever the last one left there.
     # Merged with the first report, the new freetune run replaces the old one and is compared with the old baselines.
     again = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--tiny", "--work", str(tmp_path),
-                            "--out", str(tmp_path / "again.json"), "--runs", "freetune", "--merge", str(out)],
+                            "--out", str(tmp_path / "again.json"), "--runs", "freetune", "--merge", str(out),
+                            "--logging-steps", "2"],
                            capture_output=True, text=True, timeout=300, cwd=REPO)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     merged = json.loads((tmp_path / "again.json").read_text())["runs"]
     assert [r["run"] for r in merged] == ["freetune", "free_tier", "plain_best", "freetune[fused]"]
     new = merged[0]
     assert new["x_free_tier"] == round(new["tokens_per_s"] / runs["free_tier"]["tokens_per_s"], 2)
+    # Logging every 2 steps: the warm-up and measured steps are rounded up to multiples of it (the token counts are
+    # read from the log), and every measured step's host time is split into its three phases.
+    assert new["logging_steps"] == 2 and new["warmup_steps"] % 2 == 0 and new["measured_steps"] % 2 == 0
+    assert new["measured_steps"] > runs["freetune"]["measured_steps"]
+    phases = new["host_phase_ms"]
+    assert set(phases) == {"forward_backward", "optimizer_step_end", "log_and_next_batch"}
+    assert all(0 < median <= peak for median, peak in phases.values()), phases
+    assert "host ms per measured step" in again.stdout

@@ -241,3 +241,22 @@ def test_a_4bit_models_fp32_queries_run_the_16bit_kernel_under_mixed_precision(t
         assert cast(torch.ones(3)).dtype == torch.float16
     assert cast(torch.ones(3)).dtype == torch.float32 and cast(torch.ones(3, dtype=torch.bfloat16)).dtype == \
         torch.bfloat16
+
+
+def test_the_config_keeps_the_host_from_waiting_for_the_gpu_each_micro_batch(tmp_path):
+    """On a GPU the batch is copied from pinned memory without a wait, and no micro-batch's loss is read on the host
+    (the Trainer's NaN filter); on a CPU there is nothing to pin or wait for."""
+    from freetune.preflight import Plan
+    from freetune.train import make_config
+
+    paths = run_paths(tmp_path, "cfg")
+    kwargs = dict(max_steps=4, micro_batch=1, grad_accum=1, learning_rate=1e-4, max_length=64, optimizer="adamw_torch")
+    # A GPU plan (fp32 so that TrainingArguments accepts it on this CPU-only machine).
+    gpu = make_config(paths, Plan(device="cuda", compute_dtype="float32", mixed_precision="no",
+                                  attn_implementation="sdpa"), **kwargs)
+    assert gpu.accelerator_config.non_blocking is True and gpu.dataloader_pin_memory is True
+    assert gpu.logging_nan_inf_filter is False
+    cpu = make_config(paths, Plan(device="cpu", compute_dtype="float32", mixed_precision="no",
+                                  attn_implementation="sdpa"), **kwargs)
+    assert cpu.accelerator_config.non_blocking is False and cpu.dataloader_pin_memory is False
+    assert cpu.logging_nan_inf_filter is False

@@ -440,3 +440,38 @@ def test_hub_sync_without_a_token_fails_before_training(tmp_path, tiny_model_dir
     assert "HF_TOKEN" in text and "step     1/" not in text
     assert not (hub / "calls.jsonl").exists()  # the Hub was never contacted
     assert not any((tmp_path / "run" / "checkpoints").iterdir())
+
+
+# ---- the stop flag's agreement between ranks (freetune.checkpoint.StopAgreement) --------------------------------
+
+AGREEMENT_SCRIPT = '''
+import json, sys
+import freetune
+from freetune.checkpoint import StopAgreement
+ctx = freetune.distributed.init(timeout_s=60)
+flags = {0: [0, 0, 1, 0], 1: [0, 2, 0, 0]}[ctx.rank]  # rank 1 is told to stop at step 1, rank 0 runs out at step 2
+agreement = StopAgreement()
+seen = [agreement.exchange(flag, ctx.device) for flag in flags] + [agreement.collect()]
+with open(sys.argv[1] + f"/rank{ctx.rank}.json", "w") as f:
+    json.dump({"lag": agreement.lag, "seen": seen}, f)
+freetune.distributed.cleanup()
+'''
+
+
+def test_ranks_agree_on_a_stop_flag_one_step_after_any_rank_raises_it(tmp_path):
+    """Each step end queues this step's flags (an all_reduce MAX) and reads the previous step's: every rank sees
+    the largest flag of step k at step k + 1, so all stop at the same step, and no step waits for the GPU."""
+    from freetune.checkpoint import StopAgreement
+    from freetune.launch import run_torchrun
+
+    alone = StopAgreement()  # one process: the flag itself, at once
+    assert alone.lag == 0 and [alone.exchange(f, "cpu") for f in (0, 2, 1)] == [0, 2, 1] and alone.collect() == 0
+
+    script = tmp_path / "agree.py"
+    script.write_text(AGREEMENT_SCRIPT)
+    run_torchrun(script, str(tmp_path), nproc=2, log_dir=tmp_path / "logs")
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        # step 0: nothing agreed yet; step 1: step 0's (0); step 2: step 1's (rank 1's 2); step 3: step 2's (rank
+        # 0's 1); then the last pending one (0).
+        assert got == {"lag": 1, "seen": [0, 0, 2, 1, 0]}, (rank, got)
