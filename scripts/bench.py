@@ -312,18 +312,15 @@ def run_one(job: dict) -> dict:
             self.phases, self.begin, self.pre_optimizer, self.end = [], None, None, None
 
         def on_step_begin(self, args, state, control, **kwargs):
-            now = time.perf_counter()
-            if warmup <= state.global_step < total_steps and self.end is not None:
-                self.phases.append([0.0, 0.0, now - self.end])  # the last step end -> now: logging, next batch
-            self.begin = now
+            self.begin = time.perf_counter()
 
         def on_pre_optimizer_step(self, args, state, control, **kwargs):
             self.pre_optimizer = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
             now = time.perf_counter()
-            if warmup < state.global_step <= total_steps and self.phases:
-                self.phases[-1][:2] = [self.pre_optimizer - self.begin, now - self.pre_optimizer]
+            if warmup < state.global_step <= total_steps:  # a measured step (the warm-up's end set self.end)
+                self.phases.append([self.pre_optimizer - self.begin, now - self.pre_optimizer, self.begin - self.end])
             self.end = now
             if state.global_step in (warmup, total_steps):
                 if cuda:
@@ -504,6 +501,7 @@ def main(argv=None) -> int:
     print(f"{report['device']} x {max(gpus, 1)}: matmul {report['matmul_tflops']} TFLOP/s", flush=True)
 
     jobs = []
+    every = max(args.logging_steps, 1)  # the token counts are read from the log: warm-up and measured steps align
     for mode, spec in modes.items():
         shape = shape_of(spec["shape"])
         model_dir = build_model(shape, work / f"model-{shape.name}", tokenizer_dir, device)
@@ -512,7 +510,6 @@ def main(argv=None) -> int:
             rows_file.write_text(json.dumps(synthetic_rows(256, shape.vocab, lengths)))
         runs = [(run, {}) for run in RUNS if run in args.runs.split(",")]
         runs += [(f"freetune[{label}]", overrides) for label, overrides in parse_variants(args.variants)]
-        every = max(args.logging_steps, 1)
         for run, overrides in runs:
             warmup, measured = (-(-n // every) * every for n in steps[base_run(run)])
             jobs.append(dict(mode=mode, run=run, shape=spec["shape"], cap_gib=spec["cap_gib"],
