@@ -369,7 +369,8 @@ class StopAgreement:
     after a flag is raised, all at the same step. One process: the flag itself, at once (`lag` 0)."""
 
     def __init__(self):
-        self.pending = None  # (what to wait on, the tensor holding the agreed flag)
+        self.pending = None  # (the wait for the last exchange, the tensor its agreed flag lands in)
+        self.host = self.done = None  # CUDA: one pinned host slot and one event, reused at every step
 
     @property
     def lag(self) -> int:
@@ -384,33 +385,29 @@ class StopAgreement:
 
         if not self.lag:
             return flag
-        agreed = self.collect()
+        agreed = self.collect()  # also frees the host slot for this step's copy
         # torch.full, not torch.tensor([flag], device=...): a copy from host memory would wait for the GPU too.
         tensor = torch.full((1,), flag, dtype=torch.int32, device=device)
         work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, async_op=True)
         if tensor.is_cuda:
+            if self.host is None:
+                self.host, self.done = torch.empty(1, dtype=torch.int32, pin_memory=True), torch.cuda.Event()
             work.wait()  # NCCL: the current stream waits for the all_reduce; the host goes on
-            host = torch.empty(1, dtype=torch.int32, pin_memory=True)
-            host.copy_(tensor, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-            self.pending = (done, host)
-        else:  # gloo: the host runs the collective itself; waited for at the next step
-            self.pending = (work, tensor)
+            self.host.copy_(tensor, non_blocking=True)
+            self.done.record()
+            # Waited for at the next step end, long reached by then: the GPU has run a whole step since.
+            self.pending = (self.done.synchronize, self.host)
+        else:  # gloo: the host runs the collective itself (Work.wait; its synchronize() does not wait for it)
+            self.pending = (work.wait, tensor)
         return agreed
 
     def collect(self) -> int:
         """The flag agreed at the last exchange (0 if none is pending)."""
         if self.pending is None:
             return 0
-        import torch
-
-        waitable, tensor = self.pending
+        wait, tensor = self.pending
         self.pending = None
-        if isinstance(waitable, torch.cuda.Event):
-            waitable.synchronize()  # long reached: the GPU has run a whole step since
-        else:
-            waitable.wait()  # gloo's Work (its own synchronize() does not wait for the result)
+        wait()
         return int(tensor.item())
 
 
