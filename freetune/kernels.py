@@ -277,6 +277,12 @@ def compile_layers(model, backend: str = "inductor") -> int:
     # One compiled graph serves every layer of a model (same code, different weights): the cache must hold at
     # least one entry per layer's guards.
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    # Under DDP, dynamo's DDPOptimizer cuts every compiled graph where a gradient bucket fills, so that each
+    # bucket's all-reduce can start before the rest of the backward. The layers are compiled one by one, so DDP
+    # already gets each layer's gradients as soon as its backward ends; the cut only split every layer into two
+    # graphs (its first bucket holds 1 MB, a 1.5B model's LoRA layer ~2.6 MB): twice the compiled-graph calls per
+    # step, host time that a launch-bound step pays in full (reports/gpu/bench_flash_profile.log).
+    torch._dynamo.config.optimize_ddp = False
     layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
     for layer in layers:
         layer.compile(dynamic=True, backend=backend)

@@ -15,7 +15,8 @@ belong to one run; --parallel runs two single-GPU runs at once, one per GPU, fas
   t4          Qwen2.5-1.5B shape under a 14.5 GiB cap (torch.cuda.set_per_process_memory_fraction) and the T4's
               fp16 policy (precision="fp16": fp16 autocast with loss scaling, no FlashAttention-only kernels);
   4gb         TinyLlama-1.1B shape under a 4 GiB cap, fp16 policy.
-With 2 GPUs the uncapped free_tier and freetune runs are repeated under torchrun (DDP) for the scaling efficiency.
+With 2 GPUs the uncapped free_tier and freetune runs are repeated under torchrun (DDP) for the scaling efficiency,
+each right after its 1-GPU run (the lent host's speed drifts over minutes; --variants 'again:' repeats a pair).
 
 Reported per run: non-padding tokens/s (tokens of real rows through the model per second, every rank),
 optimizer-step time, peak allocated and reserved GiB (torch's counters, rank 0), and MFU: 6N and 4N FLOPs per
@@ -26,7 +27,8 @@ bf16 matmul rate this script measures on the GPU.
 Usage (GPU machine):  python scripts/bench.py --out reports/gpu/bench.json   (~17 min on two H200s, the compiled
                       runs compile for ~100 s each; split it to fit 10-minute calls: --modes uncapped --no-ddp,
                       --modes t4,4gb --no-ddp, then --modes uncapped --runs freetune --ddp-only --merge FIRST.json)
-Where the time goes:  --profile (torch.profiler over one extra step), --variants 'eager:compile=false;...'.
+Where the time goes:  --profile (torch.profiler over one extra step, and where it made the host wait for the GPU),
+                      --variants 'eager:compile=false;...' (plan choices), 'flat:flat_sync=true' (DDP settings).
 CPU smoke test:       python scripts/bench.py --tiny --out /tmp/bench.json   (tiny shape, a few steps, no caps)
 """
 
@@ -58,6 +60,10 @@ MODES = {
     "4gb": dict(shape="tinyllama-1.1b", cap_gib=4.0, precision="fp16"),
 }
 RUNS = ("free_tier", "plain_best", "freetune")
+# --variants keys that are not plan fields: experiments on top of freetune's path. The DDP ones change nothing in
+# one process, so a variant made only of them runs under DDP only (compared with freetune's own 1-GPU run).
+EXPERIMENTS = ("liger", "cpp_wrapper", "ddp_split", "static_graph", "bucket_view", "bucket_mb", "flat_sync")
+DDP_EXPERIMENTS = ("ddp_split", "static_graph", "bucket_view", "bucket_mb", "flat_sync")
 
 
 def shape_of(name: str) -> ModelShape:
@@ -183,10 +189,22 @@ def _step_profiler_class():
     class StepProfiler(TrainerCallback):
         """torch.profiler over the one optimizer step after the warm-up: wall time, the GPU's busy time (sum of
         kernel durations), kernel launches and ATen calls, and the top kernels / host-side ops printed to the log.
-        A step whose GPU is busy for a fraction of its wall time is bound by the host (launches, Python, syncs)."""
+        A step whose GPU is busy for a fraction of its wall time is bound by the host (launches, Python, syncs).
+        On a GPU it also lists where that step made the host wait for the GPU (torch's sync debug mode: .item(),
+        blocking copies, ...; explicit synchronize calls are not reported), by call site."""
 
         def __init__(self, warmup: int, cuda: bool, rank: int = 0):
             self.warmup, self.cuda, self.rank, self.prof, self.summary = warmup, cuda, rank, None, {}
+            self.syncs, self.catcher = {}, None
+
+        def _count_sync(self, message, category, filename, lineno, file=None, line=None):
+            import traceback
+
+            # The innermost frames outside torch: the code that asked for the value.
+            frames = [f for f in traceback.extract_stack()[:-1]
+                      if "/torch/" not in f.filename and "warnings" not in f.filename][-3:]
+            site = " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames))
+            self.syncs[site] = self.syncs.get(site, 0) + 1
 
         def on_step_begin(self, args, state, control, **kwargs):
             import torch
@@ -198,6 +216,14 @@ def _step_profiler_class():
                 acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
                 self.prof = profile(activities=acts)
                 self.prof.__enter__()
+                if self.cuda:
+                    import warnings
+
+                    self.catcher = warnings.catch_warnings()
+                    self.catcher.__enter__()
+                    warnings.simplefilter("always")
+                    warnings.showwarning = self._count_sync
+                    torch.cuda.set_sync_debug_mode("warn")
                 self.t0 = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
@@ -206,6 +232,8 @@ def _step_profiler_class():
             if self.prof is None or self.summary or state.global_step != self.warmup + 1:
                 return
             if self.cuda:
+                torch.cuda.set_sync_debug_mode(0)
+                self.catcher.__exit__(None, None, None)
                 torch.cuda.synchronize()
             wall = time.perf_counter() - self.t0
             self.prof.__exit__(None, None, None)
@@ -216,6 +244,8 @@ def _step_profiler_class():
             self.summary = {"wall_s": round(wall, 4), "gpu_busy_s": round(busy, 4),
                             "gpu_busy_share": round(busy / wall, 3) if wall else None,
                             "kernels": len(kernels), "aten_calls": aten}
+            if self.cuda:
+                self.summary["host_syncs"] = dict(sorted(self.syncs.items(), key=lambda kv: -kv[1]))
             averages = self.prof.key_averages()
             print(f"rank {self.rank}: profile of step {state.global_step}: {self.summary}", flush=True)
             sort = "self_device_time_total" if self.cuda else "self_cpu_time_total"
@@ -275,9 +305,13 @@ def run_one(job: dict) -> dict:
         plan = replace(plan, batching=job["batching"],
                        reasons={**plan.reasons, "batching": f"{job['batching']}, as --tiny asks"})
     overrides = dict(job.get("overrides") or {})
-    experiments = {k: overrides.pop(k) for k in ("liger",) if k in overrides}
+    experiments = {k: overrides.pop(k) for k in EXPERIMENTS if k in overrides}
     if overrides:  # a --variants run: freetune's plan with some choices changed
         plan = replace(plan, **overrides, reasons={**plan.reasons, **{k: "as --variants asks" for k in overrides}})
+    if experiments.get("cpp_wrapper"):  # inductor's C++ wrapper: the compiled layers launch kernels from C++
+        import torch._inductor.config
+
+        torch._inductor.config.cpp_wrapper = True
     if experiments.get("liger"):  # Liger's Triton RMSNorm, SwiGLU and RoPE (not its loss: TRL's head is chunked)
         import liger_kernel.transformers as liger
 
@@ -300,6 +334,7 @@ def run_one(job: dict) -> dict:
         learning_rate=1e-4, max_length=job["max_length"], optimizer=plan.optimizer,
         logging_steps=job.get("logging_steps", 1),
         save_steps=100_000, seed=0)
+    ddp_experiment_callbacks = apply_ddp_experiments(experiments, config)
 
     class Timer(TrainerCallback):
         """Wall time at the end of the warm-up and of the measured steps (the GPU drained at both marks), the CPU
@@ -360,7 +395,7 @@ def run_one(job: dict) -> dict:
     # rank profiles the same step (under DDP the ranks wait for each other, so one rank's wait is the other's work);
     # the report keeps rank 0's summary, the log has every rank's tables.
     profiler = _step_profiler_class()(total_steps, cuda, ctx.rank) if job.get("profile") else None
-    callbacks = [timer] + ([profiler] if profiler is not None else [])
+    callbacks = ddp_experiment_callbacks + [timer] + ([profiler] if profiler is not None else [])
     if job["run"].startswith("freetune"):
         freetune.train.train(model, tokenizer, dataset, config, paths=paths, resume=False, extra_callbacks=callbacks)
         history = json.loads((run_dir / "reports" / "log_history.json").read_text()) if ctx.is_main else []
@@ -417,6 +452,67 @@ def run_one(job: dict) -> dict:
     return result
 
 
+def apply_ddp_experiments(experiments: dict, config) -> list:
+    """The DDP settings a --variants run asks for, on `config` (and the Trainer); returns callbacks to add.
+
+    ddp_split=true:   dynamo's DDPOptimizer back on (freetune.kernels.compile_layers turns it off): each compiled
+                      layer cut where a gradient bucket fills;
+    static_graph=true: DDP(static_graph=True), the reducer's per-step bookkeeping done once;
+    bucket_view=true:  DDP(gradient_as_bucket_view=True), the gradients kept in the buckets (no copy in and out);
+    bucket_mb=N:       DDP(bucket_cap_mb=N);
+    flat_sync=true:    DDP's reducer never syncs (no_sync on every micro-batch); after the last micro-batch of a step,
+                       one all-reduce of all the LoRA gradients, flattened (flat_all_reduce). DDP's per-parameter
+                       work is gone (a profile counted ~1,180 more ATen calls per step under DDP: copies into and out
+                       of its buckets, a scaling per gradient); the all-reduce no longer overlaps the backward.
+                       train()'s replica check still compares the ranks' weights at the end."""
+    from transformers import Trainer, TrainerCallback
+
+    import freetune.fast
+
+    if experiments.get("static_graph"):
+        config.ddp_static_graph = True
+    if experiments.get("bucket_mb"):
+        config.ddp_bucket_cap_mb = int(experiments["bucket_mb"])
+    if experiments.get("bucket_view"):
+        build = Trainer._build_accelerator_args  # this worker process runs one configuration: patched for it only
+
+        def with_bucket_view(self, **kwargs):
+            args = build(self, **kwargs)
+            for handler in args.get("kwargs_handlers", []):
+                if type(handler).__name__ == "DistributedDataParallelKwargs":
+                    handler.gradient_as_bucket_view = True
+            return args
+
+        Trainer._build_accelerator_args = with_bucket_view
+    if experiments.get("flat_sync"):
+        make_class = freetune.fast.trainer_class  # this worker process runs one configuration: patched for it only
+
+        def flat_sync_trainer_class(base):
+            class FlatSync(make_class(base)):
+                def training_step(self, model, inputs, num_items_in_batch=None):
+                    if not hasattr(model, "no_sync"):  # not wrapped in DDP (one process)
+                        return super().training_step(model, inputs, num_items_in_batch)
+                    with model.no_sync():
+                        loss = super().training_step(model, inputs, num_items_in_batch)
+                    if self.accelerator.sync_gradients:  # the step's last micro-batch
+                        flat_all_reduce([p for p in model.parameters() if p.requires_grad])
+                    return loss
+
+            return FlatSync
+
+        freetune.fast.trainer_class = flat_sync_trainer_class
+    callbacks = []
+    if experiments.get("ddp_split"):
+        class SplitForDDP(TrainerCallback):
+            def on_train_begin(self, args, state, control, **kwargs):  # after compile_layers, before any compile
+                import torch._dynamo
+
+                torch._dynamo.config.optimize_ddp = True
+
+        callbacks.append(SplitForDDP())
+    return callbacks
+
+
 # ----------------------------------------------------------------------------------------- orchestrator --
 
 def launch(job: dict, gpus: list[int], log):
@@ -457,7 +553,11 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", default="",
                         help="extra freetune runs with plan choices changed, ';'-separated 'label:field=value,...' "
                              "(e.g. 'eager:compile=false;peft:lora_kernel=peft,optimizer=paged_adamw_8bit'); also the "
-                             "experiment liger=true (Liger's RMSNorm/SwiGLU/RoPE, liger-kernel installed)")
+                             "experiments liger=true (Liger's RMSNorm/SwiGLU/RoPE, liger-kernel installed), cpp_wrapper=true "
+                             "(inductor's C++ wrapper) and the DDP settings ddp_split=true, static_graph=true, "
+                             "bucket_view=true, bucket_mb=N, flat_sync=true "
+                             "(apply_ddp_experiments; a variant of only these runs under DDP only). 'label:' alone "
+                             "repeats freetune's runs")
     parser.add_argument("--logging-steps", type=int, default=1,
                         help="every run logs every N steps (each log step reads the metrics on the host: a sync); "
                              "the warm-up and measured steps are rounded up to multiples of N, the token counts being "
@@ -521,6 +621,8 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
     ddp_jobs = [] if (args.no_ddp or gpus < 2 or "uncapped" not in modes) else [
         {**j, "world": 2} for j in jobs if j["mode"] == "uncapped" and base_run(j["run"]) in ("free_tier", "freetune")]
+    # A variant of DDP settings only runs under DDP; its efficiency is against freetune's 1-GPU run.
+    jobs = [j for j in jobs if not ddp_only(j["overrides"])]
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -567,18 +669,28 @@ def main(argv=None) -> int:
                             free.append(gpu)
                     time.sleep(1)
 
-            # The uncapped runs first (the DDP runs compare against them), then DDP on both GPUs, then the caps.
-            if not args.ddp_only:
-                single_gpu([j for j in jobs if j["mode"] == "uncapped"])
-            for job in ddp_jobs:
+            def both_gpus(job):
                 if time.time() - start >= args.budget_s:
                     report["runs"].append({k: job[k] for k in ("mode", "run", "world")} | {"failed": "no time left"})
-                    continue
+                    return
                 proc, result_file = launch(job, [0, 1], log)
                 proc.wait()
                 record(result_file, job, proc.returncode)
                 print(f"done: DDP {job['mode']}/{job['run']} (exit {proc.returncode}, {time.time() - start:.0f} s)",
                       flush=True)
+
+            # The uncapped runs first, then the caps. Each uncapped run's DDP run comes right after its 1-GPU run:
+            # the efficiency compares the two, and the lent host's speed drifts over minutes (the same run has
+            # measured 19k-27k tokens/s in different calls). With --parallel the 1-GPU runs go first, side by side.
+            uncapped = [j for j in jobs if j["mode"] == "uncapped"] if not args.ddp_only else []
+            if args.parallel:
+                single_gpu(uncapped)
+                uncapped = []
+            for where, job in run_order(uncapped, ddp_jobs):
+                if where == "1 GPU":
+                    single_gpu([job])
+                else:
+                    both_gpus(job)
             if not args.ddp_only:
                 single_gpu([j for j in jobs if j["mode"] != "uncapped"])
     for other in args.merge:
@@ -599,6 +711,42 @@ def main(argv=None) -> int:
 def base_run(run: str) -> str:
     """'freetune[label]' (a --variants run) -> 'freetune'."""
     return run.split("[")[0]
+
+
+def run_order(single: list[dict], ddp: list[dict]) -> list[tuple[str, dict]]:
+    """("1 GPU" | "2 GPUs", job) in the order they run: the 1-GPU runs as listed, each DDP run right after the
+    1-GPU run of the same name (a DDP-only variant where it is listed), so that an efficiency compares two runs
+    measured minutes apart rather than a whole call apart."""
+    order, pending = [], list(single)
+    for job in ddp:
+        own = [i for i, j in enumerate(pending) if j["run"] == job["run"]]
+        if own:  # its 1-GPU run, and the ones listed before that
+            order += [("1 GPU", j) for j in pending[:own[0] + 1]]
+            del pending[:own[0] + 1]
+        order.append(("2 GPUs", job))
+    return order + [("1 GPU", j) for j in pending]
+
+
+def flat_all_reduce(params: list) -> None:
+    """Average the gradients of `params` over the ranks in one all-reduce per dtype (the flat_sync experiment)."""
+    import torch
+    import torch.distributed as dist
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    by_dtype = {}
+    for p in params:
+        if p.grad is None:  # every rank must send the same layout
+            p.grad = torch.zeros_like(p)
+        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    for grads in by_dtype.values():
+        flat = _flatten_dense_tensors(grads).div_(dist.get_world_size())
+        dist.all_reduce(flat)
+        torch._foreach_copy_(grads, list(_unflatten_dense_tensors(flat, grads)))
+
+
+def ddp_only(overrides: dict) -> bool:
+    """A --variants run that changes only DDP settings (nothing to measure on one GPU)."""
+    return bool(overrides) and all(k in DDP_EXPERIMENTS for k in overrides)
 
 
 def parse_variants(text: str) -> list[tuple[str, dict]]:

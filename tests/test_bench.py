@@ -60,3 +60,25 @@ def test_bench_tiny_runs_all_three_paths_and_writes_the_report(tmp_path):
     assert set(phases) == {"forward_backward", "optimizer_step_end", "log_and_next_batch"}
     assert all(0 < median <= peak for median, peak in phases.values()), phases
     assert "host ms per measured step" in again.stdout
+
+
+def test_each_ddp_run_follows_its_own_1gpu_run_and_ddp_settings_run_under_ddp_only():
+    """The DDP efficiency compares a DDP run with the 1-GPU run of the same name; the lent GPU host's speed drifts
+    over minutes, so the two run back to back. A variant that only changes DDP settings has no 1-GPU run."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench", REPO / "scripts" / "bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    variants = bench.parse_variants("split:ddp_split=true;again:;eager:compile=false,bucket_mb=50")
+    assert variants == [("split", {"ddp_split": True}), ("again", {}), ("eager", {"compile": False, "bucket_mb": 50})]
+    assert [bench.ddp_only(o) for _, o in variants] == [True, False, False]
+    runs = {"free_tier": {}, "freetune": {}} | {f"freetune[{label}]": o for label, o in variants}
+    single = [{"run": run} for run, overrides in runs.items() if not bench.ddp_only(overrides)]
+    ddp = [{"run": run} for run in runs]
+    order = [(where, job["run"]) for where, job in bench.run_order(single, ddp)]
+    assert order == [("1 GPU", "free_tier"), ("2 GPUs", "free_tier"), ("1 GPU", "freetune"), ("2 GPUs", "freetune"),
+                     ("2 GPUs", "freetune[split]"), ("1 GPU", "freetune[again]"), ("2 GPUs", "freetune[again]"),
+                     ("1 GPU", "freetune[eager]"), ("2 GPUs", "freetune[eager]")]
+    # Without DDP runs (one GPU, or --no-ddp) every 1-GPU run still runs, in its order.
+    assert bench.run_order(single, []) == [("1 GPU", j) for j in single]

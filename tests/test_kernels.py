@@ -183,6 +183,40 @@ def test_compiled_layers_train_like_eager_ones(tiny_model_dir, checkpointing):
     assert kernels.uncompile_layers(compiled) == 0
 
 
+def test_under_ddp_each_compiled_layer_stays_one_graph(tmp_path):
+    """Under DDP, dynamo's DDPOptimizer would cut each compiled layer where a gradient bucket fills: two graphs per
+    layer, twice the graph calls a launch-bound step pays on the host. compile_layers turns it off; the layers
+    keep the graphs they have in one process and the ranks' gradients still agree (the all-reduce ran). Real
+    torchrun (gloo), 4-bit base, fused LoRA; the second pass, with the DDPOptimizer back on, shows the cut is real
+    for this model (its LoRA layers overflow DDP's first 1 MB bucket)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from freetune.fixtures import cached_tiny_model
+
+    model_dir = cached_tiny_model("qwen2", hidden_size=256)
+    driver = Path(__file__).with_name("compile_ddp_driver.py")
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             str(driver), str(model_dir), str(tmp_path)], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["world_size"] == 2 and ranks[0]["layer_lora_bytes"] > 2**20
+    for rank in ranks:
+        ours, split = rank["passes"]["freetune"], rank["passes"]["ddp_optimizer"]
+        assert ours["optimize_ddp"] is False
+        # One graph per distinct layer signature (the first layer's input needs no gradient, the others' does),
+        # each the whole layer, as in one process (test_compiled_layers_train_like_eager_ones).
+        assert 1 <= len(ours["graphs"]) <= 2 and len(set(ours["graphs"])) == 1, ours["graphs"]
+        whole = ours["graphs"][0]
+        assert len(split["graphs"]) > len(ours["graphs"]) and max(split["graphs"]) < whole, split["graphs"]
+        assert ours["grad_checksum"] == pytest.approx(split["grad_checksum"], rel=1e-5)
+    assert ranks[0]["passes"]["freetune"]["grad_checksum"] == ranks[1]["passes"]["freetune"]["grad_checksum"]
+
+
 def test_the_fused_layers_never_compute_with_the_4bit_parameter_subclass(tiny_model_dir, monkeypatch):
     """The fused layers read the packed weight as a plain tensor (Params4bit.data, taken by use_fused_lora):
     bitsandbytes' Params4bit runs a Python __torch_function__ on every use (host time), and on H200s it recursed
