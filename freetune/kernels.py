@@ -281,7 +281,8 @@ def compile_layers(model, backend: str = "inductor") -> int:
     # bucket's all-reduce can start before the rest of the backward. The layers are compiled one by one, so DDP
     # already gets each layer's gradients as soon as its backward ends; the cut only split every layer into two
     # graphs (its first bucket holds 1 MB, a 1.5B model's LoRA layer ~2.6 MB): twice the compiled-graph calls per
-    # step, host time that a launch-bound step pays in full (reports/gpu/bench_flash_profile.log).
+    # step, host time that a launch-bound step pays in full (reports/gpu/bench_flash_profile.log), and 6.6 GiB
+    # more peak memory per GPU (reports/gpu/ddp_layers_unsplit.json: 27.38 split, 20.75 GiB unsplit).
     torch._dynamo.config.optimize_ddp = False
     layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
     for layer in layers:

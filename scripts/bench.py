@@ -200,9 +200,13 @@ def _step_profiler_class():
         def _count_sync(self, message, category, filename, lineno, file=None, line=None):
             import traceback
 
-            # The innermost frames outside torch: the code that asked for the value.
+            import torch
+
+            # The innermost frames outside torch itself: the code that asked for the value. (Not "/torch/" in the
+            # path: the GPU image keeps transformers and accelerate under /opt/torch/.venv.)
+            inside_torch = str(Path(torch.__file__).parent) + "/"
             frames = [f for f in traceback.extract_stack()[:-1]
-                      if "/torch/" not in f.filename and "warnings" not in f.filename][-3:]
+                      if not f.filename.startswith(inside_torch) and not f.filename.endswith("warnings.py")][-3:]
             site = " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames))
             self.syncs[site] = self.syncs.get(site, 0) + 1
 
@@ -495,7 +499,11 @@ def apply_ddp_experiments(experiments: dict, config) -> list:
                     with model.no_sync():
                         loss = super().training_step(model, inputs, num_items_in_batch)
                     if self.accelerator.sync_gradients:  # the step's last micro-batch
-                        flat_all_reduce([p for p in model.parameters() if p.requires_grad])
+                        params = [p for p in model.parameters() if p.requires_grad]
+                        if self.state.global_step == 0:
+                            print(f"flat_sync: the step's gradients ({len(params)} tensors) averaged in one "
+                                  f"all-reduce; DDP's reducer idle", flush=True)
+                        flat_all_reduce(params)
                     return loss
 
             return FlatSync
@@ -553,11 +561,10 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", default="",
                         help="extra freetune runs with plan choices changed, ';'-separated 'label:field=value,...' "
                              "(e.g. 'eager:compile=false;peft:lora_kernel=peft,optimizer=paged_adamw_8bit'); also the "
-                             "experiments liger=true (Liger's RMSNorm/SwiGLU/RoPE, liger-kernel installed), cpp_wrapper=true "
-                             "(inductor's C++ wrapper) and the DDP settings ddp_split=true, static_graph=true, "
-                             "bucket_view=true, bucket_mb=N, flat_sync=true "
-                             "(apply_ddp_experiments; a variant of only these runs under DDP only). 'label:' alone "
-                             "repeats freetune's runs")
+                             "experiments liger=true (Liger's RMSNorm/SwiGLU/RoPE, liger-kernel installed), "
+                             "cpp_wrapper=true (inductor's C++ wrapper) and the DDP settings ddp_split=true, "
+                             "static_graph=true, bucket_view=true, bucket_mb=N, flat_sync=true (apply_ddp_experiments; "
+                             "a variant of only these runs under DDP only). 'label:' alone repeats freetune's runs")
     parser.add_argument("--logging-steps", type=int, default=1,
                         help="every run logs every N steps (each log step reads the metrics on the host: a sync); "
                              "the warm-up and measured steps are rounded up to multiples of N, the token counts being "

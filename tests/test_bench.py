@@ -1,6 +1,8 @@
 """scripts/bench.py end to end on a CPU: a tiny shape, the three runs, the table and the JSON."""
 
 import json
+import os
+import re
 import subprocess
 import sys
 
@@ -82,3 +84,30 @@ def test_each_ddp_run_follows_its_own_1gpu_run_and_ddp_settings_run_under_ddp_on
                      ("1 GPU", "freetune[eager]"), ("2 GPUs", "freetune[eager]")]
     # Without DDP runs (one GPU, or --no-ddp) every 1-GPU run still runs, in its order.
     assert bench.run_order(single, []) == [("1 GPU", j) for j in single]
+
+
+def test_the_flat_sync_experiment_trains_the_same_weights_as_ddps_own_sync(tmp_path):
+    """bench.py's flat_sync (DDP's reducer idle, one all-reduce of all LoRA gradients per step) is a measurement of
+    another way to train the same thing: under torchrun (2 gloo ranks, the tiny shape) both ranks end with the same
+    weights as with DDP's own gradient sync."""
+    bench = REPO / "scripts" / "bench.py"
+    made = subprocess.run([sys.executable, str(bench), "--tiny", "--spawn", "--runs", "freetune", "--work",
+                           str(tmp_path), "--out", str(tmp_path / "one.json")],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert made.returncode == 0, made.stdout[-3000:] + made.stderr[-3000:]
+    job = json.loads((tmp_path / "job-cpu-freetune-1.json").read_text())
+    checksums = {}
+    for label, overrides in (("ddp", {}), ("flat", {"flat_sync": True})):
+        job_file = tmp_path / f"job-{label}.json"
+        job_file.write_text(json.dumps({**job, "run": f"freetune[{label}]", "world": 2, "overrides": overrides,
+                                        "warmup": 1, "steps": 3, "profile": False,
+                                        "result": str(tmp_path / f"{label}.result.json")}))
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                               str(bench), "--worker", str(job_file)], capture_output=True, text=True, timeout=300,
+                              cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert ("flat_sync: the step's gradients" in done.stdout) == (label == "flat")
+        checksums[label] = sorted(re.findall(r"rank (\d): trainable-weights checksum ([0-9a-f]{16})", done.stdout))
+        assert [rank for rank, _ in checksums[label]] == ["0", "1"], done.stdout[-2000:]
+        assert checksums[label][0][1] == checksums[label][1][1], "the ranks' weights differ"
+    assert checksums["flat"] == checksums["ddp"]
