@@ -62,7 +62,8 @@ MODES = {
 RUNS = ("free_tier", "plain_best", "freetune")
 # --variants keys that are not plan fields: experiments on top of freetune's path. The DDP ones change nothing in
 # one process, so a variant made only of them runs under DDP only (compared with freetune's own 1-GPU run).
-EXPERIMENTS = ("liger", "cpp_wrapper", "ddp_split", "static_graph", "bucket_view", "bucket_mb", "flat_sync")
+EXPERIMENTS = ("liger", "cpp_wrapper", "dense_head", "no_packed_check", "ddp_split", "static_graph", "bucket_view",
+               "bucket_mb", "flat_sync")
 DDP_EXPERIMENTS = ("ddp_split", "static_graph", "bucket_view", "bucket_mb", "flat_sync")
 
 
@@ -316,6 +317,26 @@ def run_one(job: dict) -> dict:
         import torch._inductor.config
 
         torch._inductor.config.cpp_wrapper = True
+    # Two host syncs per step that `--profile` finds on the default path, removed at a cost (on a GPU only):
+    if experiments.get("dense_head"):
+        # TRL's loss head picks the labelled positions with a boolean mask (hidden[mask], labels[mask]: the host
+        # waits for the GPU to count them, in the forward and again in the backward); on devices without Triton it
+        # scores every position and zeroes the unlabelled ones instead. That way here too: no sync, but prompt and
+        # padding positions go through the vocabulary projection.
+        import trl.trainer.utils
+
+        trl.trainer.utils._use_triton = lambda device: False
+    if experiments.get("no_packed_check"):
+        # transformers asks the GPU whether the position ids hold packed rows at all (`.all()` on the host) before
+        # building the attention mask; without that question it builds the block-diagonal mask every time (the
+        # varlen kernel never reads it).
+        import transformers.masking_utils
+
+        def packed_rows(position_ids):
+            first = position_ids[:, :1] - 1
+            return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+
+        transformers.masking_utils.find_packed_sequence_indices = packed_rows
     if experiments.get("liger"):  # Liger's Triton RMSNorm, SwiGLU and RoPE (not its loss: TRL's head is chunked)
         import liger_kernel.transformers as liger
 
@@ -562,7 +583,8 @@ def main(argv=None) -> int:
                         help="extra freetune runs with plan choices changed, ';'-separated 'label:field=value,...' "
                              "(e.g. 'eager:compile=false;peft:lora_kernel=peft,optimizer=paged_adamw_8bit'); also the "
                              "experiments liger=true (Liger's RMSNorm/SwiGLU/RoPE, liger-kernel installed), "
-                             "cpp_wrapper=true (inductor's C++ wrapper) and the DDP settings ddp_split=true, "
+                             "cpp_wrapper=true (inductor's C++ wrapper), dense_head=true and no_packed_check=true (two "
+                             "host syncs per step removed, see run_one) and the DDP settings ddp_split=true, "
                              "static_graph=true, bucket_view=true, bucket_mb=N, flat_sync=true (apply_ddp_experiments; "
                              "a variant of only these runs under DDP only). 'label:' alone repeats freetune's runs")
     parser.add_argument("--logging-steps", type=int, default=1,
