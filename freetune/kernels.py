@@ -59,9 +59,16 @@ def _dequantize(packed, absmax, absmax2, code2, offset, spec):
 
     blocksize, quant_type, shape, dtype, blocksize2, dtype2 = spec
     if blocksize2 is not None:  # double quantisation: the absmax values are themselves 8-bit blockwise
-        absmax = (torch.ops.bitsandbytes.dequantize_blockwise.default(absmax, absmax2, code2, blocksize2, dtype2)
-                  + offset).float()
+        absmax = dequantize_absmax(absmax, absmax2, code2, offset, blocksize2, dtype2)
     return torch.ops.bitsandbytes.dequantize_4bit.default(packed, absmax, blocksize, quant_type, shape, dtype)
+
+
+def dequantize_absmax(absmax, absmax2, code2, offset, blocksize2, dtype2):
+    """A double-quantised weight's fp32 absmax values (one per block), from their 8-bit blockwise form."""
+    import torch
+
+    return (torch.ops.bitsandbytes.dequantize_blockwise.default(absmax, absmax2, code2, blocksize2, dtype2)
+            + offset).float()
 
 
 def _function():

@@ -197,17 +197,18 @@ def _step_profiler_class():
         def __init__(self, warmup: int, cuda: bool, rank: int = 0):
             self.warmup, self.cuda, self.rank, self.prof, self.summary = warmup, cuda, rank, None, {}
             self.syncs, self.catcher = {}, None
+            import torch
+
+            # Where torch itself lives (not "/torch/" in the path: the GPU image keeps transformers and accelerate
+            # under /opt/torch/.venv).
+            self.inside_torch = str(Path(torch.__file__).parent) + "/"
 
         def _count_sync(self, message, category, filename, lineno, file=None, line=None):
             import traceback
 
-            import torch
-
-            # The innermost frames outside torch itself: the code that asked for the value. (Not "/torch/" in the
-            # path: the GPU image keeps transformers and accelerate under /opt/torch/.venv.)
-            inside_torch = str(Path(torch.__file__).parent) + "/"
+            # The innermost frames outside torch itself: the code that asked for the value.
             frames = [f for f in traceback.extract_stack()[:-1]
-                      if not f.filename.startswith(inside_torch) and not f.filename.endswith("warnings.py")][-3:]
+                      if not f.filename.startswith(self.inside_torch) and not f.filename.endswith("warnings.py")][-3:]
             site = " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames))
             self.syncs[site] = self.syncs.get(site, 0) + 1
 
@@ -313,53 +314,7 @@ def run_one(job: dict) -> dict:
     experiments = {k: overrides.pop(k) for k in EXPERIMENTS if k in overrides}
     if overrides:  # a --variants run: freetune's plan with some choices changed
         plan = replace(plan, **overrides, reasons={**plan.reasons, **{k: "as --variants asks" for k in overrides}})
-    if experiments.get("cpp_wrapper"):  # inductor's C++ wrapper: the compiled layers launch kernels from C++
-        import torch._inductor.config
-
-        torch._inductor.config.cpp_wrapper = True
-    # Two host syncs per step that `--profile` finds on the default path, removed at a cost (on a GPU only):
-    if experiments.get("dense_head"):
-        # TRL's loss head picks the labelled positions with a boolean mask (hidden[mask], labels[mask]: the host
-        # waits for the GPU to count them, in the forward and again in the backward); on devices without Triton it
-        # scores every position and zeroes the unlabelled ones instead. That way here too: no sync, but prompt and
-        # padding positions go through the vocabulary projection.
-        import trl.trainer.utils
-
-        trl.trainer.utils._use_triton = lambda device: False
-    if experiments.get("no_packed_check"):
-        # transformers asks the GPU whether the position ids hold packed rows at all (`.all()` on the host) before
-        # building the attention mask; without that question it builds the block-diagonal mask every time (the
-        # varlen kernel never reads it).
-        import transformers.masking_utils
-
-        def packed_rows(position_ids):
-            first = position_ids[:, :1] - 1
-            return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
-
-        transformers.masking_utils.find_packed_sequence_indices = packed_rows
-    if experiments.get("absmax_once"):
-        # Fewer launches: the fused LoRA layers dequantise the nested (8-bit) absmax of every weight in every forward
-        # and backward (389 bitsandbytes dequantize_blockwise calls per step for the 1.5B shape). The weights are
-        # frozen, so do it once, when the layers are fused, and keep it in fp32 (+~60 MB for 1.5B parameters).
-        import freetune.kernels
-
-        nested_args = freetune.kernels.quant_args
-
-        def absmax_once(quant_state):
-            (absmax, absmax2, code2, offset), spec = nested_args(quant_state)
-            if spec[4] is None:  # not nested
-                return (absmax, absmax2, code2, offset), spec
-            full = (torch.ops.bitsandbytes.dequantize_blockwise.default(absmax, absmax2, code2, spec[4], spec[5])
-                    + offset).float()
-            torch._dynamo.mark_static(full)
-            return (full, None, None, None), (*spec[:4], None, None)
-
-        freetune.kernels.quant_args = absmax_once
-    if experiments.get("liger"):  # Liger's Triton RMSNorm, SwiGLU and RoPE (not its loss: TRL's head is chunked)
-        import liger_kernel.transformers as liger
-
-        getattr(liger, f"apply_liger_kernel_to_{ARCHITECTURE[shape.name]}")(
-            rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False)
+    apply_experiments(experiments, shape)
     if ctx.is_main:
         print(f"== {job['mode']} / {job['run']} / {job['world']} process(es)\n{plan.table()}", flush=True)
 
@@ -495,6 +450,60 @@ def run_one(job: dict) -> dict:
     return result
 
 
+def apply_experiments(experiments: dict, shape: ModelShape) -> None:
+    """The experiments a --variants run asks for that change freetune's path itself (before the model loads):
+    cpp_wrapper, dense_head, no_packed_check, absmax_once, liger. This worker process runs one configuration, so
+    what they patch is patched for it only."""
+    import torch
+
+    if experiments.get("cpp_wrapper"):  # inductor's C++ wrapper: the compiled layers launch kernels from C++
+        import torch._inductor.config
+
+        torch._inductor.config.cpp_wrapper = True
+    # Two host syncs per step that `--profile` finds on the default path, removed at a cost (on a GPU only):
+    if experiments.get("dense_head"):
+        # TRL's loss head picks the labelled positions with a boolean mask (hidden[mask], labels[mask]: the host
+        # waits for the GPU to count them, in the forward and again in the backward); on devices without Triton it
+        # scores every position and zeroes the unlabelled ones instead. That way here too: no sync, but prompt and
+        # padding positions go through the vocabulary projection.
+        import trl.trainer.utils
+
+        trl.trainer.utils._use_triton = lambda device: False
+    if experiments.get("no_packed_check"):
+        # transformers asks the GPU whether the position ids hold packed rows at all (`.all()` on the host) before
+        # building the attention mask; without that question it builds the block-diagonal mask every time (the
+        # varlen kernel never reads it).
+        import transformers.masking_utils
+
+        def packed_rows(position_ids):
+            first = position_ids[:, :1] - 1
+            return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+
+        transformers.masking_utils.find_packed_sequence_indices = packed_rows
+    if experiments.get("absmax_once"):
+        # Fewer launches: the fused LoRA layers dequantise the nested (8-bit) absmax of every weight in every forward
+        # and backward (389 bitsandbytes dequantize_blockwise calls per step for the 1.5B shape). The weights are
+        # frozen, so do it once, when the layers are fused, and keep it in fp32 (+~60 MB for 1.5B parameters).
+        import freetune.kernels
+
+        nested_args = freetune.kernels.quant_args
+
+        def absmax_once(quant_state):
+            (absmax, absmax2, code2, offset), spec = nested_args(quant_state)
+            if spec[4] is None:  # not nested
+                return (absmax, absmax2, code2, offset), spec
+            full = freetune.kernels.dequantize_absmax(absmax, absmax2, code2, offset, spec[4], spec[5])
+            torch._dynamo.mark_static(full)
+            return (full, None, None, None), (*spec[:4], None, None)
+
+        freetune.kernels.quant_args = absmax_once
+    if experiments.get("liger"):  # Liger's Triton RMSNorm, SwiGLU and RoPE (not its loss: TRL's head is chunked)
+        import liger_kernel.transformers as liger
+
+        getattr(liger, f"apply_liger_kernel_to_{ARCHITECTURE[shape.name]}")(
+            rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False)
+
+
 def apply_ddp_experiments(experiments: dict, config) -> list:
     """The DDP settings a --variants run asks for, on `config` (and the Trainer); returns callbacks to add.
 
@@ -602,7 +611,8 @@ def main(argv=None) -> int:
                              "(e.g. 'eager:compile=false;peft:lora_kernel=peft,optimizer=paged_adamw_8bit'); also the "
                              "experiments liger=true (Liger's RMSNorm/SwiGLU/RoPE, liger-kernel installed), "
                              "cpp_wrapper=true (inductor's C++ wrapper), dense_head=true and no_packed_check=true (two "
-                             "host syncs per step removed, see run_one), absmax_once=true and the DDP settings ddp_split=true, "
+                             "host syncs per step removed), absmax_once=true (apply_experiments) and the DDP settings "
+                             "ddp_split=true, "
                              "static_graph=true, bucket_view=true, bucket_mb=N, flat_sync=true (apply_ddp_experiments; "
                              "a variant of only these runs under DDP only). 'label:' alone repeats freetune's runs")
     parser.add_argument("--logging-steps", type=int, default=1,
