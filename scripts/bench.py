@@ -62,8 +62,8 @@ MODES = {
 RUNS = ("free_tier", "plain_best", "freetune")
 # --variants keys that are not plan fields: experiments on top of freetune's path. The DDP ones change nothing in
 # one process, so a variant made only of them runs under DDP only (compared with freetune's own 1-GPU run).
-EXPERIMENTS = ("liger", "cpp_wrapper", "dense_head", "no_packed_check", "absmax_once", "ddp_split", "static_graph",
-               "bucket_view", "bucket_mb", "flat_sync")
+EXPERIMENTS = ("liger", "cpp_wrapper", "dense_head", "no_packed_check", "absmax_once", "pin_cores", "ddp_split",
+               "static_graph", "bucket_view", "bucket_mb", "flat_sync")
 DDP_EXPERIMENTS = ("ddp_split", "static_graph", "bucket_view", "bucket_mb", "flat_sync")
 
 
@@ -452,9 +452,21 @@ def run_one(job: dict) -> dict:
 
 def apply_experiments(experiments: dict, shape: ModelShape) -> None:
     """The experiments a --variants run asks for that change freetune's path itself (before the model loads):
-    cpp_wrapper, dense_head, no_packed_check, absmax_once, liger. This worker process runs one configuration, so
-    what they patch is patched for it only."""
+    cpp_wrapper, dense_head, no_packed_check, absmax_once, pin_cores, liger. This worker process runs one
+    configuration, so what they patch is patched for it only."""
     import torch
+
+    if experiments.get("pin_cores"):
+        # The step is host-bound, and two processes on the lent host slowed each other down (two_processes_contention).
+        # Each process keeps to its own half of the host's cores (the 1-GPU run to the half rank 0 gets), and torch's
+        # CPU thread pool to that size: no thread of one rank runs on the other's cores.
+        cores = sorted(os.sched_getaffinity(0))
+        half = len(cores) // 2
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        own = cores[local_rank * half:(local_rank + 1) * half] or cores
+        os.sched_setaffinity(0, own)
+        torch.set_num_threads(len(own))
+        print(f"pin_cores: local rank {local_rank} on cores {own[0]}-{own[-1]}", flush=True)
 
     if experiments.get("cpp_wrapper"):  # inductor's C++ wrapper: the compiled layers launch kernels from C++
         import torch._inductor.config
@@ -611,8 +623,8 @@ def main(argv=None) -> int:
                              "(e.g. 'eager:compile=false;peft:lora_kernel=peft,optimizer=paged_adamw_8bit'); also the "
                              "experiments liger=true (Liger's RMSNorm/SwiGLU/RoPE, liger-kernel installed), "
                              "cpp_wrapper=true (inductor's C++ wrapper), dense_head=true and no_packed_check=true (two "
-                             "host syncs per step removed), absmax_once=true (apply_experiments) and the DDP settings "
-                             "ddp_split=true, "
+                             "host syncs per step removed), absmax_once=true, pin_cores=true (apply_experiments) and "
+                             "the DDP settings ddp_split=true, "
                              "static_graph=true, bucket_view=true, bucket_mb=N, flat_sync=true (apply_ddp_experiments; "
                              "a variant of only these runs under DDP only). 'label:' alone repeats freetune's runs")
     parser.add_argument("--logging-steps", type=int, default=1,
