@@ -314,7 +314,7 @@ def run_one(job: dict) -> dict:
     experiments = {k: overrides.pop(k) for k in EXPERIMENTS if k in overrides}
     if overrides:  # a --variants run: freetune's plan with some choices changed
         plan = replace(plan, **overrides, reasons={**plan.reasons, **{k: "as --variants asks" for k in overrides}})
-    apply_experiments(experiments, shape)
+    apply_experiments(experiments, shape, ctx.local_rank)
     if ctx.is_main:
         print(f"== {job['mode']} / {job['run']} / {job['world']} process(es)\n{plan.table()}", flush=True)
 
@@ -450,7 +450,7 @@ def run_one(job: dict) -> dict:
     return result
 
 
-def apply_experiments(experiments: dict, shape: ModelShape) -> None:
+def apply_experiments(experiments: dict, shape: ModelShape, local_rank: int) -> None:
     """The experiments a --variants run asks for that change freetune's path itself (before the model loads):
     cpp_wrapper, dense_head, no_packed_check, absmax_once, pin_cores, liger. This worker process runs one
     configuration, so what they patch is patched for it only."""
@@ -462,7 +462,6 @@ def apply_experiments(experiments: dict, shape: ModelShape) -> None:
         # CPU thread pool to that size: no thread of one rank runs on the other's cores.
         cores = sorted(os.sched_getaffinity(0))
         half = len(cores) // 2
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
         own = cores[local_rank * half:(local_rank + 1) * half] or cores
         os.sched_setaffinity(0, own)
         torch.set_num_threads(len(own))
