@@ -30,41 +30,40 @@ import types
 FUSED_ATTR = "_freetune_fused_lora"
 
 
-def quant_args(quant_state) -> tuple[tuple, tuple]:
-    """bitsandbytes' QuantState as (tensors, spec): the tensors its dequantisation reads and the constants
-    (blocksize, quant_type, shape, dtype, nested blocksize, nested dtype). The fused function takes these instead
-    of the QuantState object, so a compiled layer sees plain tensors and constants only (no guards on a Python
-    object's attributes, no bitsandbytes Python code to trace)."""
+def quant_args(quant_state) -> tuple:
+    """bitsandbytes' QuantState as (absmax, spec): the weight's fp32 absmax values (one per block of 64) and the
+    constants (blocksize, quant_type, shape, dtype). The fused function takes these instead of the QuantState
+    object, so a compiled layer sees plain tensors and constants only (no guards on a Python object's attributes,
+    no bitsandbytes Python code to trace).
+
+    A double-quantised weight keeps its absmax values themselves 8-bit blockwise; bitsandbytes dequantises them in
+    every forward and backward of every layer (389 extra kernels a step for a 1.5B model, 13% of them: the step
+    is bound by launches). The weights are frozen, so here they are dequantised once, when the layers are fused,
+    and kept in fp32: +4 bytes per 64 weights (~82 MB for a 1.5B model; freetune.memory.estimate counts them)."""
     import torch._dynamo
 
+    absmax = quant_state.absmax
     if quant_state.nested:
         inner = quant_state.state2
-        # bitsandbytes moves the nested code table to the weight's device at each call; here once, eagerly.
-        tensors = (quant_state.absmax, inner.absmax, inner.code.to(inner.absmax.device), quant_state.offset)
-        nested = (inner.blocksize, inner.dtype)
-    else:
-        tensors = (quant_state.absmax, None, None, None)
-        nested = (None, None)
-    spec = (quant_state.blocksize, quant_state.quant_type, tuple(quant_state.shape), quant_state.dtype, *nested)
-    for tensor in tensors:  # fixed sizes: a token count equal to one of them must not specialise a graph
-        if tensor is not None:
-            torch._dynamo.mark_static(tensor)
-    return tensors, spec
+        absmax = dequantize_absmax(absmax, inner.absmax, inner.code.to(inner.absmax.device), quant_state.offset,
+                                   inner.blocksize, inner.dtype)
+    spec = (quant_state.blocksize, quant_state.quant_type, tuple(quant_state.shape), quant_state.dtype)
+    torch._dynamo.mark_static(absmax)  # a fixed size: a token count equal to it must not specialise a graph
+    return absmax, spec
 
 
-def _dequantize(packed, absmax, absmax2, code2, offset, spec):
+def _dequantize(packed, absmax, spec):
     """The 16-bit weight (out, in), as bitsandbytes.functional.dequantize_4bit computes it (through the same
-    registered ops; tests/test_kernels.py compares the two), for a packed weight of shape (n, 1)."""
+    registered op; tests/test_kernels.py compares the two), for a packed weight of shape (n, 1)."""
     import torch
 
-    blocksize, quant_type, shape, dtype, blocksize2, dtype2 = spec
-    if blocksize2 is not None:  # double quantisation: the absmax values are themselves 8-bit blockwise
-        absmax = dequantize_absmax(absmax, absmax2, code2, offset, blocksize2, dtype2)
+    blocksize, quant_type, shape, dtype = spec
     return torch.ops.bitsandbytes.dequantize_4bit.default(packed, absmax, blocksize, quant_type, shape, dtype)
 
 
 def dequantize_absmax(absmax, absmax2, code2, offset, blocksize2, dtype2):
-    """A double-quantised weight's fp32 absmax values (one per block), from their 8-bit blockwise form."""
+    """A double-quantised weight's fp32 absmax values (one per block), from their 8-bit blockwise form, as
+    bitsandbytes.functional.dequantize_4bit computes them."""
     import torch
 
     return (torch.ops.bitsandbytes.dequantize_blockwise.default(absmax, absmax2, code2, blocksize2, dtype2)
@@ -76,15 +75,14 @@ def _function():
 
     class QLoRALinear(torch.autograd.Function):
         @staticmethod
-        # x, A and B (the inputs a gradient can flow to) first, then the frozen 4-bit weight, its quantisation
-        # tensors and the constants.
-        def forward(ctx, x, lora_a, lora_b, weight, absmax, absmax2, code2, offset, bias, spec, scaling: float,
-                    dropout_p: float):
+        # x, A and B (the inputs a gradient can flow to) first, then the frozen 4-bit weight, its fp32 absmax
+        # values and the constants.
+        def forward(ctx, x, lora_a, lora_b, weight, absmax, bias, spec, scaling: float, dropout_p: float):
             compute = spec[3]
             out_dtype = x.dtype  # bitsandbytes' Linear4bit returns its input's dtype; so does this
             shape = x.shape
             x2 = x.reshape(-1, shape[-1]).to(compute)
-            w = _dequantize(weight, absmax, absmax2, code2, offset, spec)
+            w = _dequantize(weight, absmax, spec)
             y = torch.nn.functional.linear(x2, w, None if bias is None else bias.to(compute))
             del w
             a, b = lora_a.to(compute), lora_b.to(compute)
@@ -95,7 +93,7 @@ def _function():
                 xd = x2
             h = xd @ a.t()                                   # (tokens, r)
             y.addmm_(h, b.t(), alpha=scaling)                # + s * h B^T, in place: no extra (tokens, out) tensor
-            ctx.save_for_backward(weight, absmax, absmax2, code2, offset, xd, mask, h, a, b)
+            ctx.save_for_backward(weight, absmax, xd, mask, h, a, b)
             ctx.spec = spec
             ctx.scaling, ctx.dropout_p = scaling, dropout_p
             ctx.x_dtype, ctx.a_dtype, ctx.b_dtype = x.dtype, lora_a.dtype, lora_b.dtype
@@ -106,7 +104,7 @@ def _function():
 
         @staticmethod
         def backward(ctx, dy):
-            weight, absmax, absmax2, code2, offset, xd, mask, h, a, b = ctx.saved_tensors
+            weight, absmax, xd, mask, h, a, b = ctx.saved_tensors
             s = ctx.scaling
             compute = ctx.spec[3]
             shape = dy.shape
@@ -118,7 +116,7 @@ def _function():
             if ctx.needs_input_grad[1]:
                 grad_a = (dh.t() @ xd).to(ctx.a_dtype)
             if ctx.needs_input_grad[0]:
-                w = _dequantize(weight, absmax, absmax2, code2, offset, ctx.spec)
+                w = _dequantize(weight, absmax, ctx.spec)
                 grad_x = dy2 @ w
                 del w
                 if mask is None:
@@ -126,7 +124,7 @@ def _function():
                 else:
                     grad_x.add_((dh @ a).mul_(mask).mul_(1.0 / (1.0 - ctx.dropout_p)))
                 grad_x = grad_x.reshape(*shape[:-1], grad_x.shape[-1]).to(ctx.x_dtype)
-            return grad_x, grad_a, grad_b, None, None, None, None, None, None, None, None, None
+            return grad_x, grad_a, grad_b, None, None, None, None, None, None
 
     return QLoRALinear
 
@@ -146,15 +144,15 @@ def _fused_function():
     return _FN
 
 
-def qlora_linear(x, weight, quant, spec, bias, lora_a, lora_b, scaling: float, dropout_p: float):
+def qlora_linear(x, weight, absmax, spec, bias, lora_a, lora_b, scaling: float, dropout_p: float):
     """y = base(x) + scaling * lora_b(lora_a(dropout(x))) for a 4-bit base weight, as one autograd node.
 
     weight: the packed 4-bit data as a plain tensor (Params4bit.data, see use_fused_lora), not bitsandbytes'
-    Params4bit itself; quant, spec: its quantisation state as `quant_args` gives it."""
+    Params4bit itself; absmax, spec: its quantisation state as `quant_args` gives it."""
     # `_FN is None`, not `_FN or ...`: dynamo (torch 2.11) cannot take the truth value of an autograd.Function
     # class and broke the graph here ("data-dependent branching"), so every decoder layer ran in eager pieces.
     fn = _fused_function() if _FN is None else _FN
-    return fn.apply(x, lora_a, lora_b, weight, *quant, bias, spec, scaling, dropout_p)
+    return fn.apply(x, lora_a, lora_b, weight, absmax, bias, spec, scaling, dropout_p)
 
 
 def _fused_forward(self, x, *args, **kwargs):
@@ -171,7 +169,7 @@ def _fused_forward(self, x, *args, **kwargs):
     name = self.active_adapters[0]
     dropout = self.lora_dropout[name]
     p = dropout.p if isinstance(dropout, torch.nn.Dropout) else 0.0
-    return qlora_linear(x, packed, self._freetune_quant, self._freetune_spec, self.base_layer.bias,
+    return qlora_linear(x, packed, self._freetune_absmax, self._freetune_spec, self.base_layer.bias,
                         self.lora_A[name].weight, self.lora_B[name].weight, float(self.scaling[name]), p)
 
 
@@ -240,7 +238,7 @@ def use_fused_lora(model) -> tuple[int, int]:
         # under DDP), and costs host time on every use.
         weight = module.base_layer.weight
         module._freetune_packed = weight.data
-        module._freetune_quant, module._freetune_spec = quant_args(weight.quant_state)
+        module._freetune_absmax, module._freetune_spec = quant_args(weight.quant_state)
         torch._dynamo.mark_static(module._freetune_packed)
         if not already:
             module.forward = types.MethodType(_fused_forward, module)

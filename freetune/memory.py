@@ -273,7 +273,7 @@ def estimate(shape: ModelShape, *, max_length: int, micro_batch: int, lora_rank:
              lora_targets: str | list[str] = "all-linear", gradient_checkpointing: bool = True,
              optimizer: str = "paged_adamw_8bit", compute_dtype: str = "bfloat16", device: str = "cuda",
              world_size: int = 1, double_quant: bool = True, loss_head: str = "chunked",
-             shards: int = 1) -> MemoryEstimate:
+             shards: int = 1, lora_kernel: str = "peft") -> MemoryEstimate:
     """Peak memory of one training step at micro_batch rows of max_length tokens (every row padded to it: the
     worst batch of a run decides whether it fits).
 
@@ -281,9 +281,14 @@ def estimate(shape: ModelShape, *, max_length: int, micro_batch: int, lora_rank:
     are split between them, the non-4-bit weights stay in the compute dtype (FSDP needs one dtype per wrapped
     unit, so they are not upcast to fp32), and each GPU also holds what FSDP gathers to compute: the root unit
     (embeddings, lm_head, final norm) and two decoder layers (the one running and the one prefetched).
+
+    lora_kernel "fused" (freetune.kernels, never under FSDP): each double-quantised weight also keeps its absmax
+    values dequantised once to fp32, 4 bytes per 64 weights.
     """
     tokens = micro_batch * max_length
     weights_4bit = shape.quantized_params * NF4_BYTES_PER_PARAM[double_quant]
+    if lora_kernel == "fused" and double_quant and shards == 1:
+        weights_4bit += shape.quantized_params * 4 / 64
     # prepare_model_for_kbit_training casts every non-4-bit parameter to fp32, whatever dtype it loaded in.
     other_weights = shape.other_params * 4
     trainable = shape.lora_params(lora_rank, lora_targets)
@@ -307,7 +312,7 @@ def estimate(shape: ModelShape, *, max_length: int, micro_batch: int, lora_rank:
     settings = dict(model=shape.name, max_length=max_length, micro_batch=micro_batch, lora_rank=lora_rank,
                     lora_targets=lora_targets, gradient_checkpointing=gradient_checkpointing, optimizer=optimizer,
                     compute_dtype=compute_dtype, device=device, world_size=world_size, loss_head=loss_head,
-                    shards=shards)
+                    shards=shards, lora_kernel=lora_kernel)
     return MemoryEstimate(
         weights_4bit_gib=weights_4bit / GIB, other_weights_gib=other_weights / GIB, lora_gib=lora / GIB,
         optimizer_gib=optimizer_state / GIB, activations_gib=activations / GIB, loss_head_gib=head / GIB,
@@ -319,7 +324,7 @@ def fit(shape: ModelShape, budget_gib: float, *, max_length: int = 1024, lora_ra
         lora_targets: str | list[str] = "all-linear", gradient_checkpointing: bool = True,
         optimizer: str = "paged_adamw_8bit", compute_dtype: str = "bfloat16", device: str = "cuda",
         world_size: int = 1, max_micro_batch: int = 16, min_length: int = 256,
-        loss_head: str = "chunked", shards: int = 1) -> tuple[int, int, MemoryEstimate, str]:
+        loss_head: str = "chunked", shards: int = 1, lora_kernel: str = "peft") -> tuple[int, int, MemoryEstimate, str]:
     """The largest micro-batch (a power of two up to max_micro_batch) that fits budget_gib at max_length.
 
     Returns (micro_batch, max_length, estimate, reason). If even one row of max_length tokens does not fit,
@@ -330,7 +335,7 @@ def fit(shape: ModelShape, budget_gib: float, *, max_length: int = 1024, lora_ra
         est = estimate(shape, max_length=length, micro_batch=batch, lora_rank=lora_rank, lora_targets=lora_targets,
                        gradient_checkpointing=gradient_checkpointing, optimizer=optimizer,
                        compute_dtype=compute_dtype, device=device, world_size=world_size, loss_head=loss_head,
-                       shards=shards)
+                       shards=shards, lora_kernel=lora_kernel)
         est.budget_gib = budget_gib
         return est
 

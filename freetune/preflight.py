@@ -497,13 +497,17 @@ def make_plan(hardware: Hardware | None = None, *, model_shape: ModelShape | str
         budget_why = "set by memory_budget_gib" if memory_budget_gib else "the CPU RAM available"
     optimizer, reasons["optimizer"] = choose_optimizer(optimizer, device, shape, budget, lora_rank, lora_targets)
 
+    from freetune.kernels import choose_compile, choose_lora_kernel
+
+    # Chosen before the memory check (the fused layers keep fp32 absmax values) and again below if FSDP takes over.
+    lora_kernel, reasons["lora_kernel"] = choose_lora_kernel(device, layout)
     memory = None
     chosen_batch, chosen_length = micro_batch or 1, max_length
     warnings_before_memory = len(warnings)
     if shape is not None and budget:
         common = dict(lora_rank=lora_rank, lora_targets=lora_targets, gradient_checkpointing=gradient_checkpointing,
                       optimizer=optimizer, compute_dtype=compute_dtype, device=device, world_size=world_size,
-                      loss_head=loss_head)
+                      loss_head=loss_head, lora_kernel=lora_kernel)
         # Powers of two that divide the rows per step, so the accumulation stays a whole number.
         cap = max(b for b in (1, 2, 4, 8, 16) if rows_per_gpu_step % b == 0)
         if checkpointing_auto:
@@ -584,8 +588,6 @@ def make_plan(hardware: Hardware | None = None, *, model_shape: ModelShape | str
         reasons["batch"] += f"; {world_size} GPUs x {chosen_batch} x {grad_accum_out} rows per optimizer step"
     reasons["max_length"] = ("as given" if chosen_length == max_length else f"lowered from {max_length} to fit")
     warnings += _disk_warnings(hardware, shape)
-    from freetune.kernels import choose_compile, choose_lora_kernel
-
     lora_kernel, reasons["lora_kernel"] = choose_lora_kernel(device, layout)
     compiled, reasons["compile"] = choose_compile(compile, device, layout)
 

@@ -40,6 +40,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -62,7 +63,7 @@ MODES = {
 RUNS = ("free_tier", "plain_best", "freetune")
 # --variants keys that are not plan fields: experiments on top of freetune's path. The DDP ones change nothing in
 # one process, so a variant made only of them runs under DDP only (compared with freetune's own 1-GPU run).
-EXPERIMENTS = ("liger", "cpp_wrapper", "dense_head", "no_packed_check", "absmax_once", "pin_cores", "ddp_split",
+EXPERIMENTS = ("liger", "cpp_wrapper", "dense_head", "no_packed_check", "pin_cores", "ddp_split",
                "static_graph", "bucket_view", "bucket_mb", "flat_sync")
 DDP_EXPERIMENTS = ("ddp_split", "static_graph", "bucket_view", "bucket_mb", "flat_sync")
 
@@ -452,7 +453,7 @@ def run_one(job: dict) -> dict:
 
 def apply_experiments(experiments: dict, shape: ModelShape, local_rank: int) -> None:
     """The experiments a --variants run asks for that change freetune's path itself (before the model loads):
-    cpp_wrapper, dense_head, no_packed_check, absmax_once, pin_cores, liger. This worker process runs one
+    cpp_wrapper, dense_head, no_packed_check, pin_cores, liger. This worker process runs one
     configuration, so what they patch is patched for it only."""
     import torch
 
@@ -491,23 +492,6 @@ def apply_experiments(experiments: dict, shape: ModelShape, local_rank: int) -> 
             return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
 
         transformers.masking_utils.find_packed_sequence_indices = packed_rows
-    if experiments.get("absmax_once"):
-        # Fewer launches: the fused LoRA layers dequantise the nested (8-bit) absmax of every weight in every forward
-        # and backward (389 bitsandbytes dequantize_blockwise calls per step for the 1.5B shape). The weights are
-        # frozen, so do it once, when the layers are fused, and keep it in fp32 (+~60 MB for 1.5B parameters).
-        import freetune.kernels
-
-        nested_args = freetune.kernels.quant_args
-
-        def absmax_once(quant_state):
-            (absmax, absmax2, code2, offset), spec = nested_args(quant_state)
-            if spec[4] is None:  # not nested
-                return (absmax, absmax2, code2, offset), spec
-            full = freetune.kernels.dequantize_absmax(absmax, absmax2, code2, offset, spec[4], spec[5])
-            torch._dynamo.mark_static(full)
-            return (full, None, None, None), (*spec[:4], None, None)
-
-        freetune.kernels.quant_args = absmax_once
     if experiments.get("liger"):  # Liger's Triton RMSNorm, SwiGLU and RoPE (not its loss: TRL's head is chunked)
         import liger_kernel.transformers as liger
 
@@ -598,7 +582,9 @@ def launch(job: dict, gpus: list[int], log):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=str(REPO / "reports" / "gpu" / "bench.json"), help="JSON results")
+    parser.add_argument("--out", default=None,
+                        help="JSON results (default reports/gpu/bench.json; with --tiny a file in the temp folder, so "
+                             "that a smoke run never overwrites the committed GPU record)")
     parser.add_argument("--work", default="/tmp/freetune_bench", help="models, rows and run folders")
     parser.add_argument("--modes", default="uncapped,t4,4gb", help="comma-separated: " + ", ".join(MODES))
     parser.add_argument("--no-ddp", action="store_true", help="skip the 2-GPU (torchrun) runs")
@@ -622,7 +608,7 @@ def main(argv=None) -> int:
                              "(e.g. 'eager:compile=false;peft:lora_kernel=peft,optimizer=paged_adamw_8bit'); also the "
                              "experiments liger=true (Liger's RMSNorm/SwiGLU/RoPE, liger-kernel installed), "
                              "cpp_wrapper=true (inductor's C++ wrapper), dense_head=true and no_packed_check=true (two "
-                             "host syncs per step removed), absmax_once=true, pin_cores=true (apply_experiments) and "
+                             "host syncs per step removed), pin_cores=true (apply_experiments) and "
                              "the DDP settings ddp_split=true, "
                              "static_graph=true, bucket_view=true, bucket_mb=N, flat_sync=true (apply_ddp_experiments; "
                              "a variant of only these runs under DDP only). 'label:' alone repeats freetune's runs")
@@ -692,6 +678,9 @@ def main(argv=None) -> int:
     # A variant of DDP settings only runs under DDP; its efficiency is against freetune's 1-GPU run.
     jobs = [j for j in jobs if not ddp_only(j["overrides"])]
 
+    if args.out is None:
+        args.out = (Path(tempfile.gettempdir()) / "freetune_bench_tiny.json" if args.tiny
+                    else REPO / "reports" / "gpu" / "bench.json")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     log_path = out.with_suffix(".log")

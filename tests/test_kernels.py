@@ -45,18 +45,41 @@ def loss_and_grads(model, ids, autocast_dtype=None):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_the_fused_dequantisation_is_bitsandbytes_own(nested, dtype):
     """kernels._dequantize (bitsandbytes' registered ops on plain tensors, what a compiled layer can trace) gives
-    bitsandbytes.functional.dequantize_4bit's weight bit for bit, with and without double quantisation."""
+    bitsandbytes.functional.dequantize_4bit's weight bit for bit, with and without double quantisation (whose
+    8-bit absmax values quant_args dequantises once, to fp32)."""
     import bitsandbytes.functional as bnbf
 
     weight = torch.randn(96, 160, generator=torch.Generator().manual_seed(1)).to(dtype)
     packed, state = bnbf.quantize_4bit(weight, quant_type="nf4", compress_statistics=nested)
     assert state.nested == nested
-    tensors, spec = kernels.quant_args(state)
-    got = kernels._dequantize(packed, *tensors, spec)
+    absmax, spec = kernels.quant_args(state)
+    assert absmax.dtype == torch.float32 and absmax.numel() == weight.numel() // state.blocksize
+    assert (absmax is not state.absmax) == nested  # nested: a new fp32 tensor; the 8-bit one stays as it was
+    got = kernels._dequantize(packed, absmax, spec)
     want = bnbf.dequantize_4bit(packed, state)
     assert got.dtype == dtype and got.shape == weight.shape
     assert torch.equal(got, want)
     assert (got.float() - weight.float()).abs().mean() < 0.1  # and it is the weight, not some other tensor
+
+
+def test_the_fp32_absmax_copies_are_what_the_memory_estimate_counts(tiny_model_dir):
+    """The fused layers keep every double-quantised weight's absmax values in fp32 (dequantised once, not in every
+    forward and backward): exactly the bytes freetune.memory.estimate adds for lora_kernel "fused"."""
+    from freetune.memory import ModelShape, estimate
+
+    model = quantized_lora_model(tiny_model_dir, torch.float32)
+    fused, _ = kernels.use_fused_lora(model)
+    copies = [m._freetune_absmax for m in model.modules() if getattr(m, kernels.FUSED_ATTR, False)]
+    assert len(copies) == fused > 0 and all(c.dtype == torch.float32 for c in copies)
+    shape = ModelShape.named(str(tiny_model_dir))
+    common = dict(max_length=64, micro_batch=1, device="cpu", compute_dtype="float32")
+    added = (estimate(shape, lora_kernel="fused", **common).weights_4bit_gib
+             - estimate(shape, lora_kernel="peft", **common).weights_4bit_gib) * 2**30
+    assert added == pytest.approx(sum(c.numel() * c.element_size() for c in copies))
+    # Under FSDP the fused layers never run, and without double quantisation bitsandbytes' absmax is fp32 already.
+    for other in (dict(shards=2), dict(double_quant=False)):
+        assert (estimate(shape, lora_kernel="fused", **common, **other).weights_4bit_gib
+                == estimate(shape, lora_kernel="peft", **common, **other).weights_4bit_gib)
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 0.05)])
@@ -255,6 +278,7 @@ def gpu(name, capability, memory_gib, count=1):
 def test_the_plan_picks_the_fast_kernels_on_a_gpu_and_plain_ones_on_a_cpu():
     t4 = make_plan(gpu("Tesla T4", (7, 5), 14.7), model_shape="qwen2.5-1.5b")
     assert (t4.lora_kernel, t4.compile, t4.optimizer) == ("fused", True, "adamw_torch_fused")
+    assert t4.memory.settings["lora_kernel"] == "fused"  # the memory check counts the fused layers' fp32 absmax
     assert "MiB more" in t4.reasons["optimizer"] and "LoRA kernel" in t4.table() and "compile" in t4.table()
 
     cpu = make_plan(Hardware(ram_total_gib=16.0, ram_available_gib=12.0), model_shape="qwen2.5-1.5b")
