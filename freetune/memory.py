@@ -37,6 +37,8 @@ GIB = 2**30
 # NF4 stores two weights per byte. Double quantisation keeps one 8-bit absmax per block of 64 weights, plus one
 # fp32 absmax per 256 of those blocks; single quantisation keeps one fp32 absmax per 64 weights.
 NF4_BYTES_PER_PARAM = {True: 0.5 + 1 / 64 + 4 / (64 * 256), False: 0.5 + 4 / 64}
+# freetune.kernels' fused layers keep a double-quantised weight's absmax values dequantised to fp32: 4 bytes a block.
+FUSED_ABSMAX_BYTES_PER_PARAM = 4 / 64
 
 # Optimizer state bytes per trainable parameter. 8-bit AdamW (bitsandbytes) keeps two 1-byte moments; the
 # paged variant may move them to CPU memory under pressure, so counting them on the GPU is the safe side.
@@ -288,7 +290,7 @@ def estimate(shape: ModelShape, *, max_length: int, micro_batch: int, lora_rank:
     tokens = micro_batch * max_length
     weights_4bit = shape.quantized_params * NF4_BYTES_PER_PARAM[double_quant]
     if lora_kernel == "fused" and double_quant and shards == 1:
-        weights_4bit += shape.quantized_params * 4 / 64
+        weights_4bit += shape.quantized_params * FUSED_ABSMAX_BYTES_PER_PARAM
     # prepare_model_for_kbit_training casts every non-4-bit parameter to fp32, whatever dtype it loaded in.
     other_weights = shape.other_params * 4
     trainable = shape.lora_params(lora_rank, lora_targets)
