@@ -751,18 +751,24 @@ def main(argv=None) -> int:
             if not args.ddp_only:
                 single_gpu([j for j in jobs if j["mode"] != "uncapped"])
     for other in args.merge:
-        # Their measured runs only: a run that failed or was skipped there says nothing here; and none that this
-        # call measured again (the new measurement is the one the ratios use).
-        key = lambda r: (r["mode"], r["run"], r["world_size"])  # noqa: E731
-        mine = {key(r) for r in report["runs"] if "failed" not in r}
-        report["runs"] += [r for r in json.loads(Path(other).read_text())["runs"]
-                           if "failed" not in r and key(r) not in mine]
+        merge_runs(report, json.loads(Path(other).read_text())["runs"])
         report.setdefault("merged_from", []).append(other)
     summarise(report)
     out.write_text(json.dumps(report, indent=1))
     print(table(report))
     print(f"wrote {out} ({time.time() - start:.0f} s)")
     return 0 if all("failed" not in r for r in report["runs"]) else 1
+
+
+def merge_runs(report: dict, theirs: list[dict]) -> None:
+    """Add an earlier report's measured runs to this one's. Not a run that failed or was skipped there (it says
+    nothing here), nor one this call measured again (the new measurement is the one the ratios use), nor a DDP run
+    whose 1-GPU run this call measured again: its efficiency would divide rates of two calls, and the lent host's
+    speed changes between calls by more than the DDP loss being measured."""
+    key = lambda r: (r["mode"], r["run"], r["world_size"])  # noqa: E731
+    mine = {key(r) for r in report["runs"] if "failed" not in r}
+    report["runs"] += [r for r in theirs if "failed" not in r and key(r) not in mine
+                       and not (r["world_size"] > 1 and (r["mode"], r["run"], 1) in mine)]
 
 
 def base_run(run: str) -> str:

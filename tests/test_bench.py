@@ -86,6 +86,29 @@ def test_each_ddp_run_follows_its_own_1gpu_run_and_ddp_settings_run_under_ddp_on
     assert bench.run_order(single, []) == [("1 GPU", j) for j in single]
 
 
+def test_a_merged_ddp_run_is_dropped_when_this_call_measured_its_1gpu_run_again():
+    """--merge adds an earlier call's runs; a DDP efficiency must divide rates of one call (the lent host's speed
+    changes between calls), so an old DDP run whose 1-GPU run was measured again here is left out, while an old
+    DDP run next to an old 1-GPU run (--ddp-only --merge FIRST.json the other way round) stays."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench", REPO / "scripts" / "bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def run(name, world, rate, **extra):
+        return {"mode": "uncapped", "run": name, "world_size": world, "tokens_per_s": rate, **extra}
+
+    report = {"runs": [run("freetune", 1, 300.0)]}
+    bench.merge_runs(report, [run("freetune", 1, 200.0), run("freetune", 2, 380.0), run("free_tier", 1, 10.0),
+                              run("free_tier", 2, 19.0), run("plain_best", 1, 0.0, failed="out of memory")])
+    assert [(r["run"], r["world_size"], r["tokens_per_s"]) for r in report["runs"]] == [
+        ("freetune", 1, 300.0), ("free_tier", 1, 10.0), ("free_tier", 2, 19.0)]
+    ddp_only = {"runs": [run("freetune", 2, 390.0)]}
+    bench.merge_runs(ddp_only, [run("freetune", 1, 200.0), run("freetune", 2, 380.0)])
+    assert [(r["world_size"], r["tokens_per_s"]) for r in ddp_only["runs"]] == [(2, 390.0), (1, 200.0)]
+
+
 def test_the_flat_sync_experiment_trains_the_same_weights_as_ddps_own_sync(tmp_path):
     """bench.py's flat_sync (DDP's reducer idle, one all-reduce of all LoRA gradients per step) is a measurement of
     another way to train the same thing: under torchrun (2 gloo ranks, the tiny shape) both ranks end with the same
