@@ -1,5 +1,6 @@
 """scripts/bench.py end to end on a CPU: a tiny shape, the three runs, the table and the JSON."""
 
+import importlib.util
 import json
 import os
 import re
@@ -7,6 +8,14 @@ import subprocess
 import sys
 
 from conftest import REPO
+
+
+def load_bench():
+    """scripts/bench.py as a module (it is a script, not part of the package)."""
+    spec = importlib.util.spec_from_file_location("bench", REPO / "scripts" / "bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
 
 
 def test_bench_tiny_runs_all_three_paths_and_writes_the_report(tmp_path):
@@ -67,11 +76,7 @@ def test_bench_tiny_runs_all_three_paths_and_writes_the_report(tmp_path):
 def test_each_ddp_run_follows_its_own_1gpu_run_and_ddp_settings_run_under_ddp_only():
     """The DDP efficiency compares a DDP run with the 1-GPU run of the same name; the lent GPU host's speed drifts
     over minutes, so the two run back to back. A variant that only changes DDP settings has no 1-GPU run."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench", REPO / "scripts" / "bench.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench()
     variants = bench.parse_variants("split:ddp_split=true;again:;eager:compile=false,bucket_mb=50")
     assert variants == [("split", {"ddp_split": True}), ("again", {}), ("eager", {"compile": False, "bucket_mb": 50})]
     assert [bench.ddp_only(o) for _, o in variants] == [True, False, False]
@@ -88,13 +93,9 @@ def test_each_ddp_run_follows_its_own_1gpu_run_and_ddp_settings_run_under_ddp_on
 
 def test_a_merged_ddp_run_is_dropped_when_this_call_measured_its_1gpu_run_again():
     """--merge adds an earlier call's runs; a DDP efficiency must divide rates of one call (the lent host's speed
-    changes between calls), so an old DDP run whose 1-GPU run was measured again here is left out, while an old
-    DDP run next to an old 1-GPU run (--ddp-only --merge FIRST.json the other way round) stays."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench", REPO / "scripts" / "bench.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    changes between calls), so an old DDP run whose 1-GPU run was measured again here is left out; a DDP run
+    measured here (--ddp-only --merge FIRST.json) is kept and gets the merged 1-GPU run beside it."""
+    bench = load_bench()
 
     def run(name, world, rate, **extra):
         return {"mode": "uncapped", "run": name, "world_size": world, "tokens_per_s": rate, **extra}
