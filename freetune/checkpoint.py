@@ -214,6 +214,10 @@ def agree_on_resume(checkpoints_dir: str | Path, max_steps: int, hub: "HubSync |
         else:
             choice = str(found)
             print(f"Resuming from {found.name} at step {checkpoint_step(found)} of {max_steps}: {found}", flush=True)
+            if checkpoint_step(found) >= max_steps:
+                print(f"That checkpoint is at max_steps ({max_steps}): this run's training is already done. No step "
+                      f"is trained; its adapter is saved as the run's. To train further, raise max_steps (it goes "
+                      f"on from {found.name}); to start afresh, change run_name.", flush=True)
     if ctx.distributed and dist.is_initialized():
         box = [choice]
         dist.broadcast_object_list(box, src=0)
@@ -236,6 +240,31 @@ def trainer_class(base):
         def __init__(self, *args, hub: "HubSync | None" = None, **kwargs):
             super().__init__(*args, **kwargs)
             self.hub = hub
+
+        resumed_at = 0  # the step this session started from (0, or the checkpoint's step)
+        tokens_at_resume = 0  # TRL's num_tokens count at that step
+
+        def _init_training_state(self, *args, **kwargs):
+            trained = super()._init_training_state(*args, **kwargs)
+            # After a resume the state is the checkpoint's. TRL's token counter starts at 0 in every process;
+            # it goes on from the checkpoint's count instead, so the logged num_tokens (and the summary's token
+            # count) are the whole run's, as in an uninterrupted run.
+            self.resumed_at = self.state.global_step
+            self.tokens_at_resume = max((h.get("num_tokens", 0) for h in self.state.log_history), default=0)
+            if hasattr(self, "_total_train_tokens"):
+                self._total_train_tokens = self.tokens_at_resume
+            return trained
+
+        def _run_epoch(self, *args, **kwargs):
+            # transformers 5.17 starts an optimizer step before it compares global_step with max_steps. Resumed
+            # from a checkpoint at max_steps (a rerun of a finished notebook; a session that died after the last
+            # checkpoint but before the adapter was saved) it trained one step past the end and saved
+            # checkpoint-(max_steps + 1), at every rerun. Nothing is left to train: the epoch is skipped, and
+            # the Trainer ends as after a full run (the checkpoint's adapter is in the model, to be saved).
+            if self.state.global_step >= self.state.max_steps:
+                self.control.should_training_stop = True
+                return
+            return super()._run_epoch(*args, **kwargs)
 
         def _save_checkpoint(self, model, trial):
             folder = Path(self._get_output_dir(trial)) / f"checkpoint-{self.state.global_step}"

@@ -278,19 +278,25 @@ def train(model, tokenizer, train_dataset, config, *, paths: Paths, eval_dataset
         check_replicas_agree(trainer.model)
 
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    tokens = max((h.get("num_tokens", 0) for h in trainer.state.log_history), default=0)
+    tokens = max((h.get("num_tokens", 0) for h in trainer.state.log_history), default=0)  # the whole run's
+    # This session's share: after a resume the Trainer's training_loss divides this session's loss sum by every
+    # step of the run, and the run's tokens over this session's time would overstate the rate.
+    steps_here = trainer.state.global_step - trainer.resumed_at
+    tokens_here = tokens - trainer.tokens_at_resume
     _, peak, where = memory_gib()
     summary = {
         "steps": trainer.state.global_step,
         "max_steps": trainer.state.max_steps,
+        "steps_this_session": steps_here,
         "stopped_early": stopper.reason,  # None, or why it stopped before max_steps (a rerun continues)
         "resumed_from": Path(resume_from).name if resume_from else None,
         "first_loss": losses[0] if losses else None,
         "last_loss": losses[-1] if losses else None,
-        "train_loss": result.training_loss,
+        # the mean loss of this session's steps (None when it trained none)
+        "train_loss": result.training_loss * trainer.state.global_step / steps_here if steps_here else None,
         "wall_s": round(wall, 2),
         "tokens": int(tokens),
-        "tokens_per_s": round(tokens / wall, 1) if wall > 0 else None,
+        "tokens_per_s": round(tokens_here / wall, 1) if wall > 0 and steps_here else None,
         "peak_memory_gib": round(peak, 3),
         "peak_memory_of": where,
         "world_size": trainer.args.world_size,
@@ -327,8 +333,12 @@ def show_summary(paths: Paths) -> dict:
                             f"Scroll up to its error, fix it, and run the training cell again (it resumes).")
     summary = json.loads(summary_path.read_text())
     history = json.loads((reports / HISTORY_FILE).read_text())
-    print(f"Trained {summary['steps']} steps in {summary['wall_s'] / 60:.1f} min on {summary['world_size']} "
-          f"process(es): {summary['tokens']:,} tokens ({summary['tokens_per_s']} tok/s), peak "
+    session = ""
+    if summary.get("resumed_from"):
+        session = f" ({summary.get('steps_this_session')} of them in this session, from {summary['resumed_from']})"
+    rate = f"{summary['tokens_per_s']} tok/s" if summary.get("tokens_per_s") else "no step trained in this session"
+    print(f"Trained {summary['steps']} steps{session} in {summary['wall_s'] / 60:.1f} min on {summary['world_size']} "
+          f"process(es): {summary['tokens']:,} tokens ({rate}), peak "
           f"{summary['peak_memory_of']} {summary['peak_memory_gib']:.2f} GiB, loss {summary['first_loss']:.4f} -> "
           f"{summary['last_loss']:.4f}. Adapter: {summary['adapter']}")
     points = [(h["step"], h["loss"], h.get("learning_rate")) for h in history if "loss" in h]

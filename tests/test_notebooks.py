@@ -65,7 +65,7 @@ def test_colab_notebook_trains_inline_and_the_adapter_reloads(tmp_path):
     text = text_of(nb)
     assert "Data audit" in text and "Trained 8 steps" in text
     assert text.count("image/png") >= 2  # the loss plot and the SVG side-by-side image are shown
-    assert (tmp_path / "runs" / "svg-coder" / "reports" / "side_by_side.png").exists()
+    assert (tmp_path / "runs" / "colab" / "svg-coder" / "reports" / "side_by_side.png").exists()
 
 
 def test_kaggle_notebook_runs_train_ddp_under_torchrun_with_two_processes(tmp_path):
@@ -75,7 +75,7 @@ def test_kaggle_notebook_runs_train_ddp_under_torchrun_with_two_processes(tmp_pa
     assert_trained_and_reloads(record, nb)
     assert record["training"]["world_size"] == 2
     assert (tmp_path / "train_ddp.py").exists()
-    logs = sorted((tmp_path / "runs" / "svg-coder" / "torchrun_logs").glob("**/attempt_0/*/stdout.log"))
+    logs = sorted((tmp_path / "runs" / "kaggle" / "svg-coder" / "torchrun_logs").glob("**/attempt_0/*/stdout.log"))
     assert [p.parent.name for p in logs] == ["0", "1"], "both ranks ran"
     by_rank = {p.parent.name: p.read_text() for p in logs}
     checksums = {rank: [l.split()[-1] for l in text.splitlines() if "trainable-weights checksum" in l]

@@ -213,6 +213,12 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {h["step"]: h["loss"] for h in history if "loss" in h}
 
 
+def token_counts(run_dir: Path) -> dict[int, int]:
+    """The run's logged num_tokens at each step: tokens trained since step 0, whatever sessions it took."""
+    history = json.loads((run_dir / "reports" / "log_history.json").read_text())
+    return {h["step"]: h["num_tokens"] for h in history if "num_tokens" in h}
+
+
 def assert_same_training(run_dir: Path, reference: dict) -> None:
     """Same adapter as the uninterrupted run, and the same loss at every step (so the same batches, in order)."""
     mine, theirs = adapter_tensors(run_dir / "adapter"), reference["adapter"]
@@ -224,6 +230,7 @@ def assert_same_training(run_dir: Path, reference: dict) -> None:
     assert sorted(got) == sorted(expected) == list(range(1, len(expected) + 1))
     for step in expected:
         assert got[step] == pytest.approx(expected[step], rel=1e-5, abs=1e-5), f"loss differs at step {step}"
+    assert token_counts(run_dir) == reference["tokens"], "the token count did not go on across the resumes"
 
 
 # ---- the uninterrupted references ------------------------------------------------------------------------------
@@ -233,7 +240,8 @@ def _reference(tmp_path_factory, model_dir: Path, ddp: bool) -> dict:
     job = write_job(folder, "job", model_dir, folder / "run", DDP_STEPS if ddp else STEPS)
     run = Run(job, folder / "run.log", ddp=ddp)
     assert run.finish() == 0, run.text()[-3000:]
-    return {"adapter": adapter_tensors(folder / "run" / "adapter"), "losses": losses(folder / "run")}
+    return {"adapter": adapter_tensors(folder / "run" / "adapter"), "losses": losses(folder / "run"),
+            "tokens": token_counts(folder / "run"), "summary": summary_of(run.text())}
 
 
 @pytest.fixture(scope="module")
@@ -389,7 +397,28 @@ def test_sigterm_and_time_budget_each_stop_with_a_complete_checkpoint(tmp_path, 
     run = Run(write_job(tmp_path, "rest", tiny_model_dir, run_dir, STEPS), tmp_path / "rest.log")
     assert run.finish() == 0, run.text()[-3000:]
     assert f"Resuming from checkpoint-{second['steps']} at step {second['steps']}" in run.text()
-    assert summary_of(run.text())["stopped_early"] is None
+    rest = summary_of(run.text())
+    assert rest["stopped_early"] is None and rest["steps_this_session"] == STEPS - second["steps"]
+    # The whole run's tokens, as the uninterrupted run counted them; the rate is this session's tokens over its
+    # time (the run's tokens over it would overstate it).
+    assert rest["tokens"] == reference["summary"]["tokens"] > 0
+    session_tokens = rest["tokens"] - token_counts(run_dir)[second["steps"]]
+    assert rest["tokens_per_s"] == pytest.approx(session_tokens / rest["wall_s"], rel=0.01)
+    assert_same_training(run_dir, reference)
+
+    # Run the finished run again (a notebook's "Run all" once more; or a session that died after the last
+    # checkpoint, before the adapter was saved): it trains nothing, saves the last checkpoint's adapter.
+    shutil.rmtree(run_dir / "adapter")
+    run = Run(write_job(tmp_path, "again", tiny_model_dir, run_dir, STEPS), tmp_path / "again.log")
+    assert run.finish() == 0, run.text()[-3000:]
+    assert f"Resuming from checkpoint-{STEPS} at step {STEPS} of {STEPS}" in run.text()
+    assert "this run's training is already done. No step is trained" in run.text()
+    again = summary_of(run.text())
+    assert (again["steps"], again["steps_this_session"], again["train_loss"], again["tokens_per_s"]) == (
+        STEPS, 0, None, None)
+    assert again["tokens"] == reference["summary"]["tokens"]
+    assert sorted(complete_checkpoints(checkpoints), key=step_of)[-1] == f"checkpoint-{STEPS}"
+    assert not list(checkpoints.glob(f"checkpoint-{STEPS + 1}*"))
     assert_same_training(run_dir, reference)
 
 
