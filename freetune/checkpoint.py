@@ -215,8 +215,8 @@ def agree_on_resume(checkpoints_dir: str | Path, max_steps: int, hub: "HubSync |
             choice = str(found)
             print(f"Resuming from {found.name} at step {checkpoint_step(found)} of {max_steps}: {found}", flush=True)
             if checkpoint_step(found) >= max_steps:
-                print(f"That checkpoint is at max_steps ({max_steps}): this run's training is already done. No step "
-                      f"is trained; its adapter is saved as the run's. To train further, raise max_steps (it goes "
+                print("That checkpoint is at or past max_steps: this run's training is already done. No step "
+                      "is trained; its adapter is saved as the run's. To train further, raise max_steps (it goes "
                       f"on from {found.name}); to start afresh, change run_name.", flush=True)
     if ctx.distributed and dist.is_initialized():
         box = [choice]
@@ -237,12 +237,12 @@ def trainer_class(base):
     from freetune.distributed import barrier
 
     class CheckpointingTrainer(base):
+        resumed_at = 0  # the step this session started from (0, or the checkpoint's step)
+        tokens_at_resume = 0  # TRL's num_tokens count at that step
+
         def __init__(self, *args, hub: "HubSync | None" = None, **kwargs):
             super().__init__(*args, **kwargs)
             self.hub = hub
-
-        resumed_at = 0  # the step this session started from (0, or the checkpoint's step)
-        tokens_at_resume = 0  # TRL's num_tokens count at that step
 
         def _init_training_state(self, *args, **kwargs):
             trained = super()._init_training_state(*args, **kwargs)
