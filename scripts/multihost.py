@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.embedded:
         from run_recipe import embedded_parameters
 
-        parameters = embedded_parameters(args.recipe, out)
+        parameters = embedded_parameters(args.recipe)
     parameters.setdefault("output_dir", str(out / "runs"))
     parameters.update({name: parse_value(value) for name, value in args.parameter})
 

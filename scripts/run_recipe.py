@@ -42,15 +42,14 @@ def parse_value(text: str):
     return text
 
 
-def embedded_parameters(recipe: str, out: Path) -> dict:
+def embedded_parameters(recipe: str) -> dict:
     from freetune.fixtures import cached_tiny_model, sample_data_path
 
     spec = EMBEDDED.get(recipe)
     if spec is None:
         raise SystemExit(f"no embedded default for recipe {recipe!r}; known: {sorted(EMBEDDED)}")
     model_dir = cached_tiny_model(spec["architecture"])
-    return {"model_id": str(model_dir), "dataset": str(sample_data_path(spec["sample"])),
-            "output_dir": str(out / "runs"), **CPU_SIZED}
+    return {"model_id": str(model_dir), "dataset": str(sample_data_path(spec["sample"])), **CPU_SIZED}
 
 
 def failing_cell(notebook_path: Path) -> str:
@@ -120,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.embedded:
         # A run folder per target: the Kaggle run after the Colab one trains a run of its own instead of resuming
         # the Colab run's last checkpoint (at max_steps: nothing left to train).
-        parameters = {**embedded_parameters(args.recipe, out), "output_dir": str(out / "runs" / args.target)}
+        parameters = {**embedded_parameters(args.recipe), "output_dir": str(out / "runs" / args.target)}
     parameters.update({name: parse_value(value) for name, value in args.parameter})
     record = run(args.recipe, args.target, parameters, out, args.timeout)
     summary_path = out / f"{args.recipe}-{args.target}.json"
