@@ -1,6 +1,9 @@
 """Shared test fixtures: the tiny offline model (built once per machine and cached) and sample data."""
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -31,3 +34,39 @@ def home_assistant_sample() -> Path:
     from freetune.fixtures import sample_data_path
 
     return sample_data_path("home_assistant")
+
+
+def run_recipe(recipe, target, out, *params, env=None):
+    """scripts/run_recipe.py --embedded, as a user runs it: (completed process, its JSON record, executed notebook)."""
+    import nbformat
+
+    cmd = [sys.executable, str(REPO / "scripts" / "run_recipe.py"), recipe, "--target", target, "--embedded",
+           "--out", str(out)]
+    for name, value in params:
+        cmd += ["-p", name, value]
+    result = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=1500)
+    record = json.loads((out / f"{recipe}-{target}.json").read_text())
+    return result, record, nbformat.read(out / f"{recipe}-{target}.ipynb", as_version=4)
+
+
+RECIPES = ("svg_coder", "home_assistant", "tiny_4gb")
+TARGETS = ("colab", "kaggle")
+
+
+@pytest.fixture(scope="session")
+def executed_notebook(tmp_path_factory):
+    """executed_notebook(recipe, target) -> (result, record, nb, out): each recipe x target run once per test
+    session on its embedded default (Kaggle: torchrun with 2 gloo processes), shared by every test that only
+    reads what a default run shows. Notebook runs are the slowest thing in the suite: reuse these, and start a
+    run of your own only for parameters that differ from the default."""
+    cache = {}
+
+    def get(recipe: str, target: str):
+        if (recipe, target) not in cache:
+            out = tmp_path_factory.mktemp(f"{recipe}-{target}")
+            params = [("ddp_processes", "2")] if target == "kaggle" else []
+            env = {"FREETUNE_TRACE_WRITES": "1"} if target == "kaggle" else None
+            cache[recipe, target] = (*run_recipe(recipe, target, out, *params, env=env), out)
+        return cache[recipe, target]
+
+    return get

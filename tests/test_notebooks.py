@@ -5,26 +5,12 @@ on gloo. These are the slowest tests in the suite (~2-3 minutes each on 2 cores)
 """
 
 import json
-import os
-import subprocess
-import sys
 
-import nbformat
 import pytest
 
-from conftest import REPO
+from conftest import run_recipe
 
 pytestmark = pytest.mark.slow
-
-
-def run_recipe(recipe, target, out, *params, env=None):
-    cmd = [sys.executable, str(REPO / "scripts" / "run_recipe.py"), recipe, "--target", target, "--embedded",
-           "--out", str(out)]
-    for name, value in params:
-        cmd += ["-p", name, value]
-    result = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=1500)
-    record = json.loads((out / f"{recipe}-{target}.json").read_text())
-    return result, record, nbformat.read(out / f"{recipe}-{target}.ipynb", as_version=4)
 
 
 def outputs(nb, kind=None):
@@ -58,24 +44,23 @@ def assert_trained_and_reloads(record, nb):
     assert PeftConfig.from_pretrained(training["adapter"]).base_model_name_or_path
 
 
-def test_colab_notebook_trains_inline_and_the_adapter_reloads(tmp_path):
-    result, record, nb = run_recipe("svg_coder", "colab", tmp_path)
+def test_colab_notebook_trains_inline_and_the_adapter_reloads(executed_notebook):
+    result, record, nb, out = executed_notebook("svg_coder", "colab")
     assert result.returncode == 0, result.stderr[-3000:]
     assert_trained_and_reloads(record, nb)
     text = text_of(nb)
     assert "Data audit" in text and "Trained 8 steps" in text
     assert text.count("image/png") >= 2  # the loss plot and the SVG side-by-side image are shown
-    assert (tmp_path / "runs" / "colab" / "svg-coder" / "reports" / "side_by_side.png").exists()
+    assert (out / "runs" / "colab" / "svg-coder" / "reports" / "side_by_side.png").exists()
 
 
-def test_kaggle_notebook_runs_train_ddp_under_torchrun_with_two_processes(tmp_path):
-    result, record, nb = run_recipe("svg_coder", "kaggle", tmp_path, ("ddp_processes", "2"),
-                                    env={"FREETUNE_TRACE_WRITES": "1"})
+def test_kaggle_notebook_runs_train_ddp_under_torchrun_with_two_processes(executed_notebook):
+    result, record, nb, out = executed_notebook("svg_coder", "kaggle")
     assert result.returncode == 0, result.stderr[-3000:]
     assert_trained_and_reloads(record, nb)
     assert record["training"]["world_size"] == 2
-    assert (tmp_path / "train_ddp.py").exists()
-    logs = sorted((tmp_path / "runs" / "kaggle" / "svg-coder" / "torchrun_logs").glob("**/attempt_0/*/stdout.log"))
+    assert (out / "train_ddp.py").exists()
+    logs = sorted((out / "runs" / "kaggle" / "svg-coder" / "torchrun_logs").glob("**/attempt_0/*/stdout.log"))
     assert [p.parent.name for p in logs] == ["0", "1"], "both ranks ran"
     by_rank = {p.parent.name: p.read_text() for p in logs}
     checksums = {rank: [l.split()[-1] for l in text.splitlines() if "trainable-weights checksum" in l]
@@ -85,7 +70,7 @@ def test_kaggle_notebook_runs_train_ddp_under_torchrun_with_two_processes(tmp_pa
     assert "dealt to the 2 ranks by length" in by_rank["0"]  # the ranks re-decide the sampler for their job size
     wrote0 = next(l for l in by_rank["0"].splitlines() if l.startswith("rank 0 wrote"))
     assert "adapter" in wrote0 or "reports" in wrote0  # the tracer does see rank 0's writes
-    everything = text_of(nb) + "".join(p.read_text() for p in (tmp_path / "runs").glob("**/stderr.log"))
+    everything = text_of(nb) + "".join(p.read_text() for p in (out / "runs").glob("**/stderr.log"))
     assert "destroy_process_group() was not called" not in everything
     assert "All 2 ranks finished" in text_of(nb)
 
@@ -117,7 +102,7 @@ def test_a_contaminated_data_set_trains_when_the_user_accepts_it(tmp_path, conta
 
 
 @pytest.mark.parametrize("recipe", ["home_assistant", "tiny_4gb"])
-def test_other_recipes_run_inline(recipe, tmp_path):
-    result, record, nb = run_recipe(recipe, "colab", tmp_path)
+def test_other_recipes_run_inline(recipe, executed_notebook):
+    result, record, nb, _ = executed_notebook(recipe, "colab")
     assert result.returncode == 0, result.stderr[-3000:]
     assert_trained_and_reloads(record, nb)
