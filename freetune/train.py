@@ -131,12 +131,16 @@ def make_config(paths: Paths, plan: Plan, *, max_steps: int, micro_batch: int, g
         # Similar lengths in a padded batch: little padding where rows cannot be concatenated (freetune.fast).
         # "rank_balanced" is freetune's own (fast.RankBalancedSampler), put in by the trainer class.
         train_sampling_strategy="group_by_length" if plan.sampler == "length_grouped" else "random",
+        # The checkpointed layers' inputs wait in pinned host memory (TRL's activation offloading, copies on a
+        # stream of their own) when the plan says they take a real share of the GPU (preflight.choose_offload).
+        activation_offloading=plan.offload_activations and gradient_checkpointing,
         **fsdp_settings(plan),
     )
     config.freetune_batching = plan.batching  # read by train(); TRL's own padding_free refuses max_length
     config.freetune_sampler = plan.sampler  # read by fast.trainer_class
     config.freetune_lora_kernel = plan.lora_kernel  # read by train(), once the adapter is attached
     config.freetune_compile = plan.compile
+    config.freetune_policy = plan.policy  # which variable-length attention kernels train() may probe
     if plan.device == "cuda" and torch.cuda.device_count() > 1 and "LOCAL_RANK" not in os.environ:
         # One process that sees two GPUs makes the Trainer wrap the model in nn.DataParallel, which SFTTrainer
         # refuses. Inline training uses one GPU; the Kaggle notebook's torchrun cell uses them all.
@@ -250,9 +254,10 @@ def train(model, tokenizer, train_dataset, config, *, paths: Paths, eval_dataset
     if getattr(config, "freetune_lora_kernel", "peft") == "fused":
         fused, seen = kernels.use_fused_lora(trainer.model)
         print0(f"LoRA kernel: fused on {fused} of {seen} LoRA layers (freetune.kernels).")
+    if torch.cuda.is_available() and getattr(config, "freetune_batching", "") == "padding_free":
+        # Probed now, eagerly, in this process (a torchrun rank too): the attention layers only read the result.
+        fast.varlen_works(torch.cuda.current_device(), getattr(config, "freetune_policy", "ampere"))
     if getattr(config, "freetune_compile", False):
-        if torch.cuda.is_available():  # probed now, eagerly: the compiled attention layers only read the result
-            fast.varlen_backend(torch.cuda.current_device())
         compiled = kernels.compile_layers(trainer.model)
         print0(f"torch.compile: {compiled} decoder layers; the first steps are slower while they compile.")
     print0(f"Checkpoints: every {config.save_steps} steps, the last {config.save_total_limit} kept, in "

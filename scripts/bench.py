@@ -300,7 +300,7 @@ def run_one(job: dict) -> dict:
                      grad_accum=ROWS_PER_STEP, lora_rank=LORA_RANK, precision=job["precision"],
                      memory_budget_gib=budget)
     plain = dict(batching="padded", sampler="random", attn_implementation="sdpa", lora_kernel="peft", compile=False,
-                 optimizer="paged_adamw_8bit",
+                 optimizer="paged_adamw_8bit", frozen_dtype="float32", offload_activations=False,
                  reasons={**plan.reasons, "batching": "plain stack: padded to the longest row of the batch",
                           "attention": "plain stack: sdpa", "sampler": "plain stack: random order"})
     if job["run"] == "free_tier":
@@ -327,6 +327,14 @@ def run_one(job: dict) -> dict:
     model, trainable, _ = freetune.model.attach_lora(model, rank=LORA_RANK, alpha=2 * LORA_RANK, dropout=0.05,
                                                      seed=0)
     total_steps = warmup + measured
+    most_tokens = [0]  # the largest micro-batch's tokens (padding included): what the memory estimate sizes
+
+    def count_tokens(module, args, kwargs):
+        ids = kwargs.get("input_ids")
+        if ids is not None and module.training:
+            most_tokens[0] = max(most_tokens[0], ids.numel())
+
+    model.register_forward_pre_hook(count_tokens, with_kwargs=True)
     config = freetune.train.make_config(
         paths, plan, max_steps=total_steps + (1 if job.get("profile") else 0), micro_batch=plan.micro_batch,
         grad_accum=plan.grad_accum,
@@ -426,6 +434,12 @@ def run_one(job: dict) -> dict:
         "losses": [round(h["loss"], 4) for h in history if "loss" in h],
         "lora_kernel": plan.lora_kernel, "compile": plan.compile, "optimizer": plan.optimizer,
         "sampler": plan.sampler, "logging_steps": config.logging_steps,
+        "frozen_dtype": plan.frozen_dtype, "offload_activations": plan.offload_activations,
+        "max_micro_batch_tokens": most_tokens[0],
+        # The plan's estimate of this run's peak (every row at max_length), and re-made at the largest micro-batch
+        # this run really saw: how far the memory model is from the measured peak.
+        "estimate_gib": round(plan.memory.peak_allocated_gib, 3) if plan.memory is not None else None,
+        "estimate_at_seen_tokens_gib": seen_estimate(plan, shape, most_tokens[0]),
     }
     if plan.compile:
         # What the compiled layers became: one graph per layer and no break is the fast shape; breaks or graphs per
@@ -449,6 +463,19 @@ def run_one(job: dict) -> dict:
         result["peak_rss_gib"] = round(freetune.train.memory_gib()[1], 3)
     freetune.distributed.cleanup()
     return result
+
+
+def seen_estimate(plan, shape: ModelShape, tokens: int) -> float | None:
+    """freetune.memory.estimate with the plan's settings at `tokens` tokens in one micro-batch."""
+    from freetune.memory import estimate
+
+    if plan.memory is None or not tokens:
+        return None
+    settings = {k: v for k, v in plan.memory.settings.items() if k not in ("model", "max_length", "micro_batch")}
+    settings.update(gradient_checkpointing=plan.gradient_checkpointing, optimizer=plan.optimizer,
+                    lora_kernel=plan.lora_kernel, frozen_dtype=plan.frozen_dtype,
+                    offload_activations=plan.offload_activations)
+    return round(estimate(shape, max_length=tokens, micro_batch=1, **settings).peak_allocated_gib, 3)
 
 
 def apply_experiments(experiments: dict, shape: ModelShape, local_rank: int) -> None:
