@@ -96,13 +96,7 @@ def _varlen_call(q, k, v, cu_seq, max_len: int, scale, backend: str = "flash"):
         return torch.ops.aten._flash_attention_forward(q, k, v, cu_seq, cu_seq, max_len, max_len, 0.0, True, False,
                                                        scale=scale)[0]
     if backend == "efficient":
-        if k.shape[1] != q.shape[1]:
-            groups = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        # (1, tokens, heads, dim) in, as the kernel takes batches; custom_mask_type 1: causal from each row's start;
-        # the logsumexp is what its backward needs.
-        return torch.ops.aten._efficient_attention_forward(q[None], k[None], v[None], None, cu_seq, cu_seq, max_len,
-                                                           max_len, 0.0, 1, True, scale=scale)[0][0]
+        return _efficient_op()(q, k, v, cu_seq, max_len, scale)
     fn, params = _VARLEN["fn"], _VARLEN["params"]  # set by the probe, which ran before any call of this backend
     kwargs = {}
     if "is_causal" in params:       # torch 2.10/2.11
@@ -118,6 +112,76 @@ def _varlen_call(q, k, v, cu_seq, max_len: int, scale, backend: str = "flash"):
     if scale is not None and "scale" in params:
         kwargs["scale"] = scale
     return fn(q, k, v, cu_seq, cu_seq, max_len, max_len, **kwargs)
+
+
+_EFFICIENT: dict = {}  # "op": the freetune::varlen_efficient custom op, defined once per process
+
+
+def _efficient_op():
+    """freetune::varlen_efficient(q, k, v, cu_seq, max_len, scale): causal attention within each row through PyTorch's
+    memory-efficient kernel (aten._efficient_attention_forward / _backward with cumulative row lengths), as a custom op
+    with its own autograd. Why not the aten ops directly: their backward's meta function (torch 2.11 and 2.13) takes
+    its arguments shifted by one ("got multiple values for argument 'scale'"), so a compiled decoder layer that calls
+    them falls back to eager as a whole; a custom op stays one node of the layer's graph, its shapes given here.
+    Grouped-query heads are repeated inside the op, so that only the unrepeated k and v are saved for the backward."""
+    if "op" in _EFFICIENT:
+        return _EFFICIENT["op"]
+    import torch
+
+    def repeat_kv(q, k, v):
+        groups = q.shape[1] // k.shape[1]
+        return (k, v) if groups == 1 else (k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1))
+
+    def forward_4d(q, k, v, cu, max_len, scale):
+        k, v = repeat_kv(q, k, v)
+        # (1, tokens, heads, dim), as the kernel takes batches; custom_mask_type 1: causal from each row's start.
+        # The logsumexp is what the backward needs; the dropout seeds are not (no dropout in attention).
+        out, lse = torch.ops.aten._efficient_attention_forward(q[None], k[None], v[None], None, cu, cu, max_len,
+                                                               max_len, 0.0, 1, True, scale=scale)[:2]
+        return out[0].clone(), lse  # a custom op's outputs must not be views
+
+    # Schemas spelled out: this module's annotations are strings (from __future__ import annotations).
+    @torch.library.custom_op("freetune::varlen_efficient", mutates_args=(),
+                             schema="(Tensor q, Tensor k, Tensor v, Tensor cu, SymInt max_len, float? scale) "
+                                    "-> (Tensor, Tensor)")
+    def op(q, k, v, cu, max_len, scale):
+        return forward_4d(q, k, v, cu, max_len, scale)
+
+    op.register_fake(forward_4d)  # the forward's own meta function gives the shapes, the logsumexp's included
+
+    @torch.library.custom_op("freetune::varlen_efficient_backward", mutates_args=(),
+                             schema="(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu, "
+                                    "SymInt max_len, float? scale) -> (Tensor, Tensor, Tensor)")
+    def backward_op(grad, q, k, v, out, lse, cu, max_len, scale):
+        kr, vr = repeat_kv(q, k, v)
+        unused = torch.empty((), dtype=torch.long)  # dropout's seed and offset, read only when dropout_p > 0
+        dq, dk, dv, _ = torch.ops.aten._efficient_attention_backward(
+            grad.contiguous()[None], q[None], kr[None], vr[None], None, out[None], cu, cu, max_len, max_len, lse, 0.0,
+            unused, unused, 1, False, scale=scale)
+        dq, dk, dv = dq[0], dk[0], dv[0]
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:  # the repeated heads' gradients summed back onto each key/value head
+            dk = dk.unflatten(1, (k.shape[1], groups)).sum(2)
+            dv = dv.unflatten(1, (v.shape[1], groups)).sum(2)
+        return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+    @backward_op.register_fake
+    def _(grad, q, k, v, out, lse, cu, max_len, scale):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, cu, max_len, scale = inputs
+        ctx.save_for_backward(q, k, v, *output, cu)
+        ctx.max_len, ctx.scale = max_len, scale
+
+    def backward(ctx, grad, _lse_grad):
+        q, k, v, out, lse, cu = ctx.saved_tensors
+        dq, dk, dv = backward_op(grad, q, k, v, out, lse, cu, ctx.max_len, ctx.scale)
+        return dq, dk, dv, None, None, None
+
+    op.register_autograd(backward, setup_context=setup_context)
+    _EFFICIENT["op"] = lambda q, k, v, cu, max_len, scale: op(q, k, v, cu, max_len, scale)[0]
+    return _EFFICIENT["op"]
 
 
 def varlen_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,

@@ -28,6 +28,7 @@ take 11.6 GiB.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -245,23 +246,41 @@ def layer_activation_bytes(shape: ModelShape, *, lora_rank: int, lora_targets="a
 # residual stream between layers, and each checkpointed layer's saved input, is 16-bit there.
 # Checkpointed layers' inputs still on the GPU when offloaded (TRL's activation offloading): the ones whose copy to
 # the host is in flight in the forward, and the ones fetched back ahead of their layer's backward.
-OFFLOAD_RESIDENT_LAYERS = 6
+OFFLOAD_RESIDENT_LAYERS = 2
+# torch.compile'd decoder layers (freetune.kernels.compile_layers) save what the fused graph's backward needs, not
+# every eager op's inputs: measured on an H200 (docs/performance.md), a compiled Qwen2.5-1.5B layer holds
+# this share of the eager layer's counted bytes per token.
+COMPILED_ACTIVATION_SHARE = 0.45
+# freetune.kernels' fused LoRA layers save their input once (shared by the projections that read it) and dropout's
+# 1-byte mask, where peft's layers keep each projection's dropped 16-bit copy: bytes per token less, per dimension.
+FUSED_DROPOUT_SAVING = dict(hidden=10, q=2, intermediate=2)
 
 
 def activation_bytes_per_token(shape: ModelShape, *, lora_rank: int, lora_targets="all-linear",
                                gradient_checkpointing: bool, compute_dtype: str = "bfloat16",
-                               frozen_dtype: str = "float32", offload_activations: bool = False) -> float:
+                               frozen_dtype: str = "float32", offload_activations: bool = False,
+                               lora_kernel: str = "peft", compiled: bool = False, checkpoint_every: int = 1
+                               ) -> float:
     """Bytes per token held at the peak of the backward pass (decoder layers only; the loss head is apart)."""
     per_layer = layer_activation_bytes(shape, lora_rank=lora_rank, lora_targets=lora_targets,
                                        compute_dtype=compute_dtype)
+    if lora_kernel == "fused":
+        per_layer -= (FUSED_DROPOUT_SAVING["hidden"] * shape.hidden + FUSED_DROPOUT_SAVING["q"] * shape.q_dim
+                      + FUSED_DROPOUT_SAVING["intermediate"] * shape.intermediate)
+    if compiled:
+        per_layer *= COMPILED_ACTIVATION_SHARE
     backward = BACKWARD_BYTES["hidden"] * shape.hidden + BACKWARD_BYTES["intermediate"] * shape.intermediate
     residual = 2 if _is_16bit(frozen_dtype) else 4
     # The embedding output and the final norm's input/output.
     outside_layers = 3 * residual * shape.hidden
     if gradient_checkpointing:
-        # Each layer keeps only its input; one layer at a time is recomputed in full during the backward.
-        kept = min(shape.layers, OFFLOAD_RESIDENT_LAYERS) if offload_activations else shape.layers
-        return kept * residual * shape.hidden + per_layer + backward + outside_layers
+        # A checkpointed layer keeps only its input, and one at a time is recomputed in full during the backward;
+        # with checkpoint_every n, only every n-th layer is checkpointed (transformers' every_n_layers) and the
+        # others keep all their activations.
+        checkpointed = math.ceil(shape.layers / max(1, checkpoint_every))
+        kept = min(checkpointed, OFFLOAD_RESIDENT_LAYERS) if offload_activations else checkpointed
+        return ((shape.layers - checkpointed) * per_layer + kept * residual * shape.hidden + per_layer + backward
+                + outside_layers)
     return shape.layers * per_layer + backward + outside_layers
 
 
@@ -286,7 +305,7 @@ def estimate(shape: ModelShape, *, max_length: int, micro_batch: int, lora_rank:
              optimizer: str = "paged_adamw_8bit", compute_dtype: str = "bfloat16", device: str = "cuda",
              world_size: int = 1, double_quant: bool = True, loss_head: str = "chunked",
              shards: int = 1, lora_kernel: str = "peft", frozen_dtype: str = "float32",
-             offload_activations: bool = False) -> MemoryEstimate:
+             offload_activations: bool = False, compiled: bool = False, checkpoint_every: int = 1) -> MemoryEstimate:
     """Peak memory of one training step at micro_batch rows of max_length tokens (every row padded to it: the
     worst batch of a run decides whether it fits).
 
@@ -319,7 +338,9 @@ def estimate(shape: ModelShape, *, max_length: int, micro_batch: int, lora_rank:
     activations = tokens * activation_bytes_per_token(shape, lora_rank=lora_rank, lora_targets=lora_targets,
                                                       gradient_checkpointing=gradient_checkpointing,
                                                       compute_dtype=compute_dtype, frozen_dtype=frozen_dtype,
-                                                      offload_activations=offload_activations)
+                                                      offload_activations=offload_activations,
+                                                      lora_kernel=lora_kernel, compiled=compiled,
+                                                      checkpoint_every=checkpoint_every)
     head = loss_head_bytes(shape, tokens, compute_dtype=compute_dtype, loss_head=loss_head)
     allocated = weights_4bit + other_weights + lora + optimizer_state + activations + head
     on_gpu = device == "cuda"
@@ -328,7 +349,7 @@ def estimate(shape: ModelShape, *, max_length: int, micro_batch: int, lora_rank:
                     lora_targets=lora_targets, gradient_checkpointing=gradient_checkpointing, optimizer=optimizer,
                     compute_dtype=compute_dtype, device=device, world_size=world_size, loss_head=loss_head,
                     shards=shards, lora_kernel=lora_kernel, frozen_dtype=frozen_dtype,
-                    offload_activations=offload_activations)
+                    offload_activations=offload_activations, compiled=compiled, checkpoint_every=checkpoint_every)
     return MemoryEstimate(
         weights_4bit_gib=weights_4bit / GIB, other_weights_gib=other_weights / GIB, lora_gib=lora / GIB,
         optimizer_gib=optimizer_state / GIB, activations_gib=activations / GIB, loss_head_gib=head / GIB,

@@ -118,6 +118,8 @@ def load_base_model(model_id: str, plan: Plan, *, local_rank: int = 0, gradient_
         # _load_fsdp_rank0_only), and FSDP then moves it to the GPU one wrapped decoder layer at a time, keeping
         # 1/N of each. device_map must not name a GPU here.
         kwargs["device_map"] = {"": "cpu"}
+    elif plan.device == "cpu":
+        kwargs["device_map"] = {"": "cpu"}  # bitsandbytes would put a 4-bit model on a GPU that a CPU plan ignores
     elif plan.device == "cuda":
         # One full copy per process on its own GPU (DDP). Never "auto"/"balanced": those split the layers
         # across GPUs, which runs them one after another, slower than one GPU.
