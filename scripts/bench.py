@@ -1011,7 +1011,8 @@ def table(report: dict) -> str:
             failed.append([r["mode"], r["run"], str(r["world"]), "FAILED: " + r["failed"]])
             continue
         lines.append([r["mode"], r["run"], str(r["world_size"]), f"{r['micro_batch']}x{r['grad_accum']}",
-                      r.get("checkpointing") or ("on" if r["gradient_checkpointing"] else "off"), r["batching"],
+                      r.get("checkpointing") or ("off" if not r["gradient_checkpointing"] else
+                                                 "offload" if r.get("offload_activations") else "on"), r["batching"],
                       r.get("sampler", ""), r.get("attention", ""), r.get("lora_kernel", ""),
                       f"{r['profile']['gpu_busy_share']:.0%}" if r.get("profile", {}).get("gpu_busy_share") else "",
                       f"{r['tokens_per_s']:.0f}",

@@ -84,7 +84,8 @@ def emulate_card(cap_gib: float) -> None:
         return max(0, min(free, cap - torch.cuda.memory_reserved(device))), cap
 
     torch.cuda.mem_get_info = capped_mem_get_info
-    print(f"GPU memory capped at {cap_gib:.2f} of {total / 2**30:.1f} GiB (emulating a smaller card)", flush=True)
+    print(f"GPU memory capped at {cap_gib:.2f} of {total / 2**30:.1f} GiB (emulating a smaller card; "
+          f"{torch.cuda.memory_allocated() / 2**20:.0f} MiB allocated before the cap)", flush=True)
 
 
 def load(job: dict, dtype):
