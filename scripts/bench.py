@@ -415,6 +415,11 @@ def run_one(job: dict) -> dict:
     # the report keeps rank 0's summary, the log has every rank's tables.
     profiler = _step_profiler_class()(total_steps, cuda, ctx.rank) if job.get("profile") else None
     callbacks = ddp_experiment_callbacks + [timer] + ([profiler] if profiler is not None else [])
+    if job["precision"] == "fp16" and cuda:
+        # The T4's SDPA kernels (memory-efficient, math), as the peer is held to (bench_unsloth.t4_kernels): this
+        # worker process runs one configuration, so the switch is process-wide.
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_cudnn_sdp(False)
     if job["run"].startswith("freetune"):
         freetune.train.train(model, tokenizer, dataset, config, paths=paths, resume=False, extra_callbacks=callbacks)
         history = json.loads((run_dir / "reports" / "log_history.json").read_text()) if ctx.is_main else []

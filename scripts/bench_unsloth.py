@@ -28,7 +28,8 @@ The emulated budgets (bench.py's t4 and 4gb modes) hold the peer to what the emu
   buffers from the free memory it reads there; a real 4 GB card reports 4 GB, not the H200's 141);
 - attention: UNSLOTH_TORCH_VARLEN=0, Unsloth's own switch, keeps its padding-free rows off torch's varlen
   FlashAttention (sm80+) and on its per-segment SDPA, what it runs on a T4 without xformers (flash-attn and xformers
-  are not installed). Its other compute-capability tests choose bf16-only Triton paths (unused in fp16) or tuning
+  are not installed); and SDPA itself is limited to its memory-efficient and math kernels (t4_kernels), which a T4
+  runs, instead of the FlashAttention kernel it would pick on the H200. Its other compute-capability tests choose bf16-only Triton paths (unused in fp16) or tuning
   knobs of kernels Triton compiles for the GPU it runs on; freetune's runs get the H200's kernels there too.
 Which attention it used is read off the library after the run (attention_used), not assumed.
 """
@@ -86,6 +87,19 @@ def emulate_card(cap_gib: float) -> None:
     torch.cuda.mem_get_info = capped_mem_get_info
     print(f"GPU memory capped at {cap_gib:.2f} of {total / 2**30:.1f} GiB (emulating a smaller card; "
           f"{torch.cuda.memory_allocated() / 2**20:.0f} MiB allocated before the cap)", flush=True)
+
+
+def t4_kernels(job: dict):
+    """In the emulated T4 and 4 GB modes, SDPA limited to the kernels a T4 runs for fp16 (memory-efficient, math):
+    on the H200 it would pick FlashAttention (sm80+) for the per-segment calls. freetune's runs are held to the same
+    (scripts/bench.py, which also runs its own rows through the memory-efficient kernel)."""
+    import contextlib
+
+    if job["precision"] != "fp16":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def load(job: dict, dtype):
@@ -289,7 +303,8 @@ def run(job: dict) -> dict:
     load_peak = peaks(cuda)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    trainer.train()
+    with t4_kernels(job):
+        trainer.train()
     memory = {k: max(v, load_peak[k]) for k, v in peaks(cuda).items()}  # the whole process, as freetune's runs
     if marks.graphs[total] > marks.graphs[warmup]:
         print(f"warning: dynamo compiled {marks.graphs[total] - marks.graphs[warmup]} graphs during the measured "
