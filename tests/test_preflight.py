@@ -242,3 +242,22 @@ def test_a_card_with_room_for_some_layers_checkpoints_only_every_nth(tmp_path):
     config = make_config(paths, cpu_check, max_steps=2, micro_batch=8, grad_accum=1, learning_rate=1e-4,
                          max_length=1024)
     assert config.gradient_checkpointing_kwargs == {"use_reentrant": False, "every_n_layers": 2}
+
+
+def test_replanned_for_the_datas_longest_row_a_t4_drops_checkpointing():
+    """Short rows (the SVG sample's are a few hundred tokens) planned as max_length each would overstate the memory
+    several times: replan sizes the batch for the data's longest row, keeps max_length as the cut, and says so."""
+    first = make_plan(T4, model_shape="Qwen/Qwen2.5-Coder-1.5B-Instruct", grad_accum=8)
+    assert first.micro_batch == 8 and first.gradient_checkpointing
+    data = preflight.replan(first, T4, longest_row=420)
+    assert data.micro_batch == 8 and not data.gradient_checkpointing and data.max_length == 1024
+    assert data.memory.total_gib < first.memory.total_gib
+    assert "8 x 420 tokens" in data.reasons["batch"] and "longest row" in data.reasons["batch"]
+    assert "checkpointing off" in data.one_line()
+    # A plan read back from a Kaggle job file (JSON: the shape is a dict there) replans the same way.
+    import dataclasses
+
+    shaped = make_plan(T4, model_shape=KNOWN_SHAPES["qwen2.5-1.5b"], grad_accum=8)
+    read_back = Plan(**{k: v for k, v in json.loads(json.dumps(dataclasses.asdict(shaped))).items()
+                        if k != "memory"})
+    assert preflight.replan(read_back, T4, longest_row=420).one_line() == data.one_line()
