@@ -19,7 +19,7 @@ import os
 import time
 from pathlib import Path
 
-from freetune import checkpoint, fast, kernels
+from freetune import checkpoint, fast, kernels, params
 from freetune.distributed import COLLECTIVE_TIMEOUT_S, WriteTracer, check_replicas_agree, context, print0
 from freetune.errors import FreetuneError
 from freetune.model import adapter_dtype_guard
@@ -67,9 +67,10 @@ def make_config(paths: Paths, plan: Plan, *, max_steps: int, micro_batch: int, g
     if save_total_limit is None or save_total_limit < 2:
         raise FreetuneError(f"save_total_limit = {save_total_limit}: keep at least 2 checkpoints, so that a session "
                             f"lost while the newest one is written still leaves a complete one to resume from.")
-    if save_steps < 1:
-        raise FreetuneError(f"save_steps = {save_steps}: checkpoint at least every few hundred steps (e.g. 50), or a "
-                            f"lost session loses the whole run.")
+    # The parameters cell was checked against the same rules; library callers get the same messages here
+    # (max_steps aside: -1 with num_epochs trains by epochs).
+    params.require(grad_accum=grad_accum, learning_rate=learning_rate, max_length=max_length,
+                   max_grad_norm=max_grad_norm, logging_steps=logging_steps, save_steps=save_steps, seed=seed)
 
     if optimizer == "auto":
         optimizer = plan.optimizer  # the plan's choice (freetune.preflight.choose_optimizer)
