@@ -1,5 +1,6 @@
 """scripts/run_recipe.py and plain papermill as a newcomer uses them: progress on the terminal while a run goes, a
-rerun that says it trained nothing, relative paths from the caller's folder, and the README's papermill line."""
+rerun that says it trained nothing, relative paths from the caller's folder, the README's papermill line, and no
+noise of ours in the first run."""
 
 import json
 import os
@@ -92,3 +93,37 @@ def test_the_readme_papermill_command_runs_as_written_and_refuses_a_misspelled_p
     assert (tmp_path / "papermill" / "svg_coder.ipynb").exists()
     assert not list(tmp_path.glob("papermill/freetune-runs/*/data/train")), "stopped before the data was read"
 
+
+def test_bitsandbytes_optional_kernel_warning_is_dropped_and_nothing_else():
+    import logging
+
+    import freetune  # noqa: F401  (the filter is installed on import)
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    logger.addHandler(handler)
+    try:
+        # The call bitsandbytes 0.50 makes on AVX-512 bf16 CPUs without the `kernels` package, then another one.
+        logger.warning("Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please make sure you already "
+                       "`pip install kernels` and the kernels >= 0.11.1", "No module named 'kernels'")
+        logger.warning("some other bitsandbytes warning")
+    finally:
+        logger.removeHandler(handler)
+    assert seen == ["some other bitsandbytes warning"]
+    # And in a fresh process, as a recipe imports them (on a CPU without AVX-512 bf16 the line never comes).
+    done = subprocess.run([sys.executable, "-c", "import freetune, bitsandbytes"], capture_output=True, text=True)
+    assert done.returncode == 0 and "gemm_4bit_forward" not in done.stderr
+
+
+def test_building_the_tiny_model_prints_no_deprecation(tmp_path, tiny_model_dir):
+    from freetune.fixtures import fixture_cache_dir
+
+    code = ("import sys; from freetune.fixtures import build_tiny_model; "
+            "build_tiny_model(sys.argv[1], architecture='qwen2', tokenizer_dir=sys.argv[2])")
+    tokenizer = fixture_cache_dir() / "qwen-tokenizer"
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "m"), str(tokenizer)], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "deprecated" not in done.stderr.lower(), done.stderr[-2000:]
