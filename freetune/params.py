@@ -102,7 +102,7 @@ RULES: dict[str, Rule] = {
     "lora_rank": at_least(1, "the adapter's rank, e.g. 8 or 16; higher learns more"),
     "lora_alpha": at_least(1, "the adapter's scale, usually 2 x lora_rank"),
     "lora_dropout": between(0, 1, "the share of adapter inputs dropped; 0.05 for small data sets, 0 for large"),
-    "lora_targets": _not_empty("'all-linear', or module names such as 'q_proj,v_proj'"),
+    "lora_targets": _not_empty("'all-linear', or a regular expression of module names such as '.*(q_proj|v_proj)'"),
     "optimizer": _optimizer,
     "max_grad_norm": at_least(0, "gradient clipping; 0 turns it off"),
     "gradient_checkpointing": one_of("auto", "on", "off"),

@@ -16,7 +16,7 @@ from conftest import REPO, run_recipe
 sys.path.insert(0, str(REPO / "scripts"))
 from run_recipe import parse_parameters  # noqa: E402
 
-STEP_LINE = re.compile(r"^step +\d+/8  loss ", re.M)
+STEP_LINE = re.compile(r"^(\[default0\]:)?step +\d+/8  loss ", re.M)  # torchrun's --tee prefixes rank 0's lines
 
 
 def printed_json(stdout: str) -> dict:
