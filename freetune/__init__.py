@@ -18,11 +18,19 @@ Modules, in the order a recipe uses them:
 """
 
 import importlib
+import logging
 
 from freetune.errors import FreetuneError
 
 __version__ = "0.1.0"
 __all__ = ["FreetuneError", "__version__"]
+
+# bitsandbytes 0.50 warns at import, on CPUs with AVX-512 bf16, that it could not fetch an optional faster CPU
+# kernel from the Hub ("Failed to load CPU gemm_4bit_forward from kernels-community": the `kernels` package is
+# not installed). It then uses its own C++ kernel for that op (4-bit inference at batch size 1), so nothing is
+# missing; the line only reads like a failure to a new user. That one message is dropped, nothing else.
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
+    lambda record: not str(record.msg).startswith("Failed to load CPU gemm_4bit_forward"))
 
 _SUBMODULES = {"params", "platform", "preflight", "memory", "data", "audit", "model", "train", "distributed",
                "launch", "checkpoint", "sanity", "tasks", "export", "secrets", "fixtures"}

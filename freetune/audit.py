@@ -6,7 +6,8 @@ for that and for the other defects that cost a training run:
 
   blocking (the recipe stops until they are cleaned or knowingly accepted)
     empty                 empty or whitespace-only completions
-    repeated              a short completion repeated verbatim across >= `repeat_share_block` of the rows
+    repeated              a short completion repeated verbatim across >= `repeat_share_block` of the rows (or,
+                          among fewer than 5 distinct answers, one answer given to half the rows or more)
     check:<name>          rows failing a recipe's validity check (SVG parses, the action is valid JSON, ...)
     no_trainable_tokens   rows whose completion is entirely cut off by `max_length` (TRL drops them silently)
     duplicate             exact copies of an earlier row
@@ -89,6 +90,11 @@ BLOCKING, WARNING = "blocking", "warning"
 # A repeated answer counts as junk when it is shorter than this share of the median distinct answer: an error
 # string among SVG files is (29 vs ~250 characters), the same Home Assistant action asked in other words is not.
 SHORT_REPEAT_RATIO = 0.5
+# With fewer distinct answers than this there is no typical length to compare with (a data set whose every answer is
+# one stub has a single distinct answer, its own yardstick): an answer given verbatim to at least DOMINANT_SHARE of
+# the rows is then junk whatever its length. Class labels look the same; the message says how to keep them.
+MIN_DISTINCT_FOR_MEDIAN = 5
+DOMINANT_SHARE = 0.5
 TOP_EXAMPLES = 5          # repeats, conflicts and check reasons listed in a finding's details
 EXAMPLE_CHARS = 120       # examples are cut to this length in reports
 TOKENIZE_BATCH = 2048     # rows per tokeniser call: big enough for the Rust side's threads, small for memory
@@ -328,8 +334,12 @@ def _repeat_findings(completions: list[str], requests: Callable[[int], str], *, 
         return []
     repeated.sort(key=lambda item: (-len(item[1]), item[0]))
 
+    few_distinct = len(groups) < MIN_DISTINCT_FOR_MEDIAN
+
     def is_junk(text: str, rows: list[int]) -> bool:
-        return len(rows) / total >= repeat_share_block and len(text) < SHORT_REPEAT_RATIO * median_chars
+        share = len(rows) / total
+        return share >= repeat_share_block and (len(text) < SHORT_REPEAT_RATIO * median_chars
+                                                or few_distinct and share >= DOMINANT_SHARE)
 
     def describe(text: str, rows: list[int]) -> dict:
         return {"completion": _cut(text), "rows": len(rows), "share": _share(len(rows), total),
@@ -345,7 +355,7 @@ def _repeat_findings(completions: list[str], requests: Callable[[int], str], *, 
             "repeated", "repeated", BLOCKING, "repeated short completion",
             f"{_n(len(junk), 'short completion')} repeated verbatim over {_n(len(rows), 'row')}, e.g. "
             f"{_cut(top_text, 60)!r} x{len(top_rows):,}: cheap to memorise, they can become the answer to "
-            f"every prompt.", rows, len(rows),
+            f"every prompt.{_few_answers_note(len(groups)) if few_distinct else ''}", rows, len(rows),
             {"completions": len(junk), "top": [describe(t, r) for t, r in junk[:TOP_EXAMPLES]]}))
     if other:
         rows = sorted(i for _, r in other for i in r)
@@ -357,6 +367,13 @@ def _repeat_findings(completions: list[str], requests: Callable[[int], str], *, 
             f"they are real answers.", rows, len(rows),
             {"completions": len(other), "top": [describe(t, r) for t, r in other[:TOP_EXAMPLES]]}))
     return findings
+
+
+def _few_answers_note(distinct: int) -> str:
+    if distinct == 1:
+        return " Every row has this one answer: there is nothing else to learn. Check the data set and its `columns`."
+    return (f" The data set has only {distinct} distinct answers; if they are class labels, set "
+            f"`{CLEAN_PARAMETER}=False` and `{ACCEPT_PARAMETER}=True` to train on them.")
 
 
 def _short_finding(completions: list[str], min_chars: int, excluded: set[int]) -> Finding | None:

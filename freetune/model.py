@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from freetune import bnb_cpu
+from freetune import bnb_cpu, params
 from freetune.errors import FreetuneError
 from freetune.fast import VARLEN_ATTENTION, register_attention
 from freetune.preflight import Plan
@@ -163,6 +163,7 @@ def attach_lora(model, *, rank: int, alpha: int, dropout: float, target_modules:
     from peft import LoraConfig, get_peft_model
     from transformers import set_seed
 
+    params.require(lora_rank=rank, lora_alpha=alpha, lora_dropout=dropout)  # else peft blames target_modules
     if seed is not None:
         set_seed(seed)
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,
