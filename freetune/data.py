@@ -16,7 +16,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from freetune.errors import FreetuneError
+from freetune.errors import FreetuneError, reason
+from freetune.platform import require_hub
 
 LOCAL_SUFFIXES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
@@ -49,12 +50,14 @@ def load_rows(source: str, split: str = "train", config: str | None = None):
         except Exception as exc:  # malformed JSON, wrong CSV, ...: say which file and why
             raise FreetuneError(f"Could not read data set file {str(path)!r}: {exc}. Fix the file or the "
                                 f"`dataset` parameter.") from exc
+    require_hub(f"the data set {source!r}", "dataset")
+    print(f"Reading {source!r} (split {split!r}) from the Hugging Face Hub ...", flush=True)
     try:
         return datasets.load_dataset(source, config, split=split)
     except Exception as exc:
         raise FreetuneError(
             f"Could not load data set {source!r} (split {split!r}) from the Hugging Face Hub: "
-            f"{type(exc).__name__}: {str(exc)[:300]}. Check the `dataset` id and split, that this machine is "
+            f"{type(exc).__name__}: {reason(exc)}. Check the `dataset` id and split, that this machine is "
             f"online, and for a private or gated data set that HF_TOKEN is set (Colab/Kaggle secrets).") from exc
 
 

@@ -1,16 +1,20 @@
 """Colab, Kaggle and a local machine differ in a handful of facts; they live here, as one table.
 
 build_notebooks.py applies the table to the cells a recipe tags explicitly (`install`, `paths`, `train`) and to
-the notebook metadata; at run time `resolve_paths` turns the table's folders into real ones. A notebook built
-for Colab but executed elsewhere (CI, a laptop) falls back to local folders and says so.
+the notebook metadata; at run time `resolve_paths` turns the table's folders into real ones (a notebook built
+for Colab but executed elsewhere, CI or a laptop, falls back to local folders and says so), and `require_hub`
+says at once when the Hub is out of reach (Kaggle's Internet switch off).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from freetune.errors import FreetuneError
 
 
 @dataclass(frozen=True)
@@ -99,3 +103,32 @@ def _mount_drive() -> None:
 
     if not Path("/content/drive/MyDrive").exists():
         drive.mount("/content/drive")
+
+
+def require_hub(what: str, parameter: str) -> None:
+    """Stop at once, saying what to change, when `what` must come from the Hugging Face Hub and the Hub cannot be
+    reached. Without this, each library retries each file about five times over half a minute and the error that
+    finally comes is a chain of five exceptions. Nothing is checked in offline mode (HF_HUB_OFFLINE=1): the
+    libraries then read their cache and never touch the network."""
+    from huggingface_hub import constants
+
+    if constants.is_offline_mode():
+        return
+    problem = _hub_problem(constants.ENDPOINT)
+    if problem:
+        raise FreetuneError(
+            f"Cannot reach the Hugging Face Hub ({constants.ENDPOINT}: {problem}), so {what} cannot be downloaded. "
+            f"Turn the internet on (Kaggle: Settings -> Internet on, then rerun; Colab: reconnect the runtime), "
+            f"or set `{parameter}` to a local folder or file. Files downloaded before load with HF_HUB_OFFLINE=1.")
+
+
+@functools.cache
+def _hub_problem(endpoint: str) -> str | None:
+    """None when the endpoint answers at all (any HTTP status), else why not. Asked once per process."""
+    from huggingface_hub import get_session
+
+    try:
+        get_session().head(endpoint, timeout=10)
+    except Exception as exc:  # httpx's ConnectError, ConnectTimeout, ProxyError, ...: the network failed
+        return f"{type(exc).__name__}: {str(exc).strip() or 'no answer'}"
+    return None

@@ -417,6 +417,7 @@ def compare_model(model, tokenizer, rows, *, task: str | ModuleType | None = Non
     references = [completion_text(row) for row in rows]
     options = dict(greedy=greedy, seeds=seeds, temperature=temperature, max_new_tokens=max_new_tokens,
                    batch_size=batch_size)
+    print(f"Generating from {len(rows)} held-out prompt(s), with the adapter and without ...", flush=True)
     adapter_generations = generate(model, tokenizer, prompts, **options)
     with model.disable_adapter():
         base_generations = generate(model, tokenizer, prompts, **options)
@@ -481,6 +482,7 @@ def load_for_comparison(base_model: str | Path, adapter_dir: str | Path, plan=No
                           bnb_4bit_compute_dtype=dtype))
     else:  # bf16 matmuls are slow on most CPUs, and 4-bit brings nothing where memory is plentiful
         kwargs = dict(dtype=torch.float32)
+    print(f"Loading {base_model} with the trained adapter ...", flush=True)
     base = AutoModelForCausalLM.from_pretrained(str(base_model), **kwargs)
     try:
         model = PeftModel.from_pretrained(base, str(adapter_dir))
