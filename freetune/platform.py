@@ -27,6 +27,8 @@ class Platform:
     time_limit_h: float | None   # the platform's session limit: the time budget stops and saves before it
     launches_ddp: bool           # the notebook writes train_ddp.py and runs it under torchrun on every GPU
     metadata: dict               # notebook metadata the platform reads (accelerator, internet)
+    before_run: str = ""         # what the user sets before "Run all" (the notebook's first cell says it)
+    keeps_runs: str = ""         # what outlives the session (the notebook's "Next steps" cell says it)
 
 
 PLATFORMS = {
@@ -36,6 +38,9 @@ PLATFORMS = {
         time_limit_h=12.0, launches_ddp=False,
         # Colab reads `accelerator` and `colab.gpuType` to pick the runtime when the notebook opens.
         metadata={"accelerator": "GPU", "colab": {"gpuType": "T4", "provenance": []}},
+        before_run="**On Colab:** Runtime -> Change runtime type -> **T4 GPU**, then Runtime -> Run all.",
+        keeps_runs=("Colab deletes the run folder with the runtime: `use_drive = True` keeps it on Google Drive, "
+                    "`hub_checkpoint_repo` keeps every checkpoint on the Hub."),
     ),
     "kaggle": Platform(
         name="kaggle", gpus="2 x T4 (15 GB each)", work_root="/kaggle/working/freetune-runs",
@@ -44,6 +49,10 @@ PLATFORMS = {
         # Kaggle reads `kaggle.accelerator` ("nvidiaTeslaT4" is "GPU T4 x2") and needs internet for pip.
         metadata={"kaggle": {"accelerator": "nvidiaTeslaT4", "dataSources": [], "isGpuEnabled": True,
                              "isInternetEnabled": True, "language": "python", "sourceType": "notebook"}},
+        before_run=("**On Kaggle:** Settings -> Accelerator -> **GPU T4 x2**, and Settings -> Internet **on** (the "
+                    "install cell downloads the pinned libraries), then Run all."),
+        keeps_runs=("Kaggle keeps /kaggle/working only in a saved version (Save Version); `hub_checkpoint_repo` "
+                    "keeps every checkpoint on the Hub."),
     ),
     "local": Platform(
         name="local", gpus="whatever this machine has", work_root="freetune-runs", persistent_root="freetune-runs",
