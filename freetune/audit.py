@@ -1039,6 +1039,7 @@ def resolve_checks(name: str) -> dict[str, Check]:
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
+    import contextlib
     import sys
 
     from freetune.data import load_rows, normalize
@@ -1063,11 +1064,12 @@ def main(argv: list[str] | None = None) -> int:
         columns = json.loads(args.columns) if args.columns else None
         if columns is not None and not isinstance(columns, dict):
             raise FreetuneError("--columns must be a JSON object, e.g. '{\"completion\": \"output\"}'.")
-        dataset = normalize(load_rows(args.dataset, split=args.split), columns=columns)
-        eval_dataset = (normalize(load_rows(args.eval_dataset, split=args.eval_split), columns=columns)
-                        if args.eval_dataset else None)
-        report = audit(dataset, tokenizer=args.model, max_length=args.max_length,
-                       checks=resolve_checks(args.checks) if args.checks else None, eval_dataset=eval_dataset)
+        with contextlib.redirect_stdout(sys.stderr):  # the progress lines; stdout holds the report alone
+            dataset = normalize(load_rows(args.dataset, split=args.split), columns=columns)
+            eval_dataset = (normalize(load_rows(args.eval_dataset, split=args.eval_split), columns=columns)
+                            if args.eval_dataset else None)
+            report = audit(dataset, tokenizer=args.model, max_length=args.max_length,
+                           checks=resolve_checks(args.checks) if args.checks else None, eval_dataset=eval_dataset)
     except json.JSONDecodeError as exc:
         print(f"error: --columns is not valid JSON ({exc}).", file=sys.stderr)
         return 1

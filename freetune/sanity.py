@@ -21,6 +21,7 @@ It exits with status 1 when the adapter's verdict is "collapsed".
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import html
 import json
@@ -552,10 +553,11 @@ def main(argv: list[str] | None = None) -> int:
     from freetune.data import load_rows, normalize
 
     try:
-        rows = pick_rows(normalize(load_rows(args.data)), args.rows)
-        seeds = tuple(int(s) for s in args.seeds.split(",") if s.strip())
-        report = compare(args.base, args.adapter, rows, task=args.task, seeds=seeds,
-                         temperature=args.temperature, max_new_tokens=args.max_new_tokens)
+        with contextlib.redirect_stdout(sys.stderr):  # the progress lines; stdout holds the report alone
+            rows = pick_rows(normalize(load_rows(args.data)), args.rows)
+            seeds = tuple(int(s) for s in args.seeds.split(",") if s.strip())
+            report = compare(args.base, args.adapter, rows, task=args.task, seeds=seeds,
+                             temperature=args.temperature, max_new_tokens=args.max_new_tokens)
     except FreetuneError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
