@@ -16,6 +16,8 @@ import os
 import sys
 import warnings
 
+from freetune.errors import FreetuneError
+
 # Read by datasets and huggingface_hub when they are imported (transformers follows the Hub's switch).
 PROGRESS_BAR_SWITCHES = ("HF_DATASETS_DISABLE_PROGRESS_BARS", "HF_HUB_DISABLE_PROGRESS_BARS")
 
@@ -41,8 +43,6 @@ def show_freetune_errors_as_messages() -> bool:
     shell = ipython.get_ipython() if ipython is not None else None
     if shell is None or os.environ.get("FREETUNE_TRACEBACK") == "1":
         return False
-    from freetune.errors import FreetuneError
-
     shell.set_custom_exc((FreetuneError,), _show_message)
     return True
 
