@@ -1,6 +1,7 @@
 """freetune: QLoRA fine-tuning for free and small GPUs. The recipes orchestrate; this library does the work.
 
 Modules, in the order a recipe uses them:
+  console      what the notebook shows: errors as messages, no library progress bars, one duration format
   params       check the parameters cell's values against their declared types
   platform     Colab / Kaggle / local differences as one table (paths, secrets, install)
   preflight    the machine check and the training plan (dtype, precision, attention, layout, batch)
@@ -20,6 +21,7 @@ Modules, in the order a recipe uses them:
 import importlib
 import logging
 
+from freetune import console
 from freetune.errors import FreetuneError
 
 __version__ = "0.1.0"
@@ -34,6 +36,11 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
 
 _SUBMODULES = {"params", "platform", "preflight", "memory", "data", "audit", "model", "train", "distributed",
                "launch", "checkpoint", "sanity", "tasks", "export", "secrets", "fixtures"}
+
+
+# A notebook shows freetune's lines and its errors' messages, not the libraries' bars and chained tracebacks.
+console.progress_bars_off()
+console.show_freetune_errors_as_messages()
 
 
 def __getattr__(name):

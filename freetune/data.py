@@ -18,7 +18,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from freetune.errors import FreetuneError
+from freetune.errors import FreetuneError, reason
+from freetune.platform import require_hub
 
 LOCAL_SUFFIXES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 TEXT_SUFFIXES = (".jsonl", ".json", ".csv")  # read as UTF-8 text; parquet is binary
@@ -60,12 +61,14 @@ def load_rows(source: str, split: str = "train", config: str | None = None):
 def _load_hub(source: str, split: str, config: str | None):
     import datasets
 
+    require_hub(f"the data set {source!r}", "dataset")
+    print(f"Reading {source!r} (split {split!r}) from the Hugging Face Hub ...", flush=True)
     try:
         return datasets.load_dataset(source, config, split=split)
     except Exception as exc:
         raise FreetuneError(
             f"Could not load data set {source!r} (split {split!r}) from the Hugging Face Hub: "
-            f"{type(exc).__name__}: {str(exc)[:300]}. Check the `dataset` id and split, that this machine is "
+            f"{type(exc).__name__}: {reason(exc)}. Check the `dataset` id and split, that this machine is "
             f"online, and for a private or gated data set that HF_TOKEN is set (Colab/Kaggle secrets).") from exc
 
 

@@ -17,9 +17,11 @@ import json
 import math
 import os
 import time
+import warnings
 from pathlib import Path
 
 from freetune import checkpoint, fast, kernels, params
+from freetune.console import duration
 from freetune.distributed import COLLECTIVE_TIMEOUT_S, WriteTracer, check_replicas_agree, context, print0
 from freetune.errors import FreetuneError
 from freetune.model import adapter_dtype_guard
@@ -211,7 +213,7 @@ class ProgressPrinter:
                 eta = (now - self.start) / done * max(total_steps - state.global_step, 0)
                 print(f"step {state.global_step:>5}/{total_steps}  loss {logs['loss']:.4f}  "
                       f"lr {logs.get('learning_rate', 0):.2e}  {rate}  {where} {used:.2f}/{peak:.2f} GiB  "
-                      f"ETA {eta / 60:5.1f} min", flush=True)
+                      f"ETA {duration(eta)}", flush=True)
                 self.last = (now, state.global_step, tokens)
 
         return _Printer()
@@ -296,6 +298,8 @@ def train(model, tokenizer, train_dataset, config, *, paths: Paths, eval_dataset
                             f"would mix with them. Change run_name to start fresh, or resume.")
     stopper = checkpoint.stop_callback(budget_s, budget_text)
     guard = NonFiniteGuard()
+    print0(f"Preparing {len(train_dataset):,} rows for training (tokenising, masking what is not trained on, "
+           f"cutting to max_length) ...")
     # fast.trainer_class: TRL's per-micro-batch metric syncs happen once per log step instead.
     trainer = checkpoint.trainer_class(fast.trainer_class(SFTTrainer))(
         model=model, args=config, train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=tokenizer,
@@ -323,6 +327,9 @@ def train(model, tokenizer, train_dataset, config, *, paths: Paths, eval_dataset
     resume_from = checkpoint.agree_on_resume(paths.checkpoints, config.max_steps, hub) if resume else None
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
+    # make_config's ddp_broadcast_buffers=False is meant: torch 2.13 deprecates the name for forward_sync_buffers,
+    # which the older torch of Colab and Kaggle does not have.
+    warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
     start = time.time()
     try:
         with checkpoint.sigterm_stops(stopper):
@@ -415,7 +422,7 @@ def show_summary(paths: Paths) -> dict:
     if summary.get("resumed_from"):
         session = f" ({summary.get('steps_this_session')} of them in this session, from {summary['resumed_from']})"
     rate = f"{summary['tokens_per_s']} tok/s" if summary.get("tokens_per_s") else "no step trained in this session"
-    print(f"Trained {summary['steps']} steps{session} in {summary['wall_s'] / 60:.1f} min on {summary['world_size']} "
+    print(f"Trained {summary['steps']} steps{session} in {duration(summary['wall_s'])} on {summary['world_size']} "
           f"process(es): {summary['tokens']:,} tokens ({rate}), peak "
           f"{summary['peak_memory_of']} {summary['peak_memory_gib']:.2f} GiB, loss {summary['first_loss']:.4f} -> "
           f"{summary['last_loss']:.4f}. Adapter: {summary['adapter']}")
