@@ -10,8 +10,9 @@ what will not fit, and a failure leaves the adapter where it was.
 - GGUF: llama.cpp's own `convert_hf_to_gguf.py` writes f16 / q8_0; `llama-quantize` (compiled llama.cpp) makes
   q4_k_m when present. The converter comes from llama.cpp itself (a clone, or the copy vendored in the
   `llama-cpp-python` source distribution on PyPI: `fetch_converter`), never from a home-made writer.
-- Ollama: a Modelfile whose TEMPLATE is the Go-template twin of the model's ChatML chat template (checked on a
-  probe conversation before it is written), with its stop tokens and defaults.
+- Ollama: a Modelfile whose TEMPLATE is the Go-template twin of the model's chat template when that is one freetune
+  trains with (freetune.templates: ChatML, Llama 3, Zephyr; checked on a probe conversation before it is written),
+  with its stop tokens and defaults.
 - Hub: rank 0 only, the token from the platform's secrets, a model card recording how the adapter was made.
 """
 
@@ -28,8 +29,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from freetune.chat import SAMPLING
 from freetune.errors import FreetuneError
 from freetune.secrets import hf_token, redact
+from freetune.templates import Template
+from freetune.templates import identify as identify_template
 
 GB = 1e9  # sizes are shown in decimal GB, as disks and Kaggle's 20 GB quota are
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -584,70 +588,14 @@ def convert_to_gguf(merged_dir: str | Path, out_dir: str | Path, *, outtypes=("f
 # Ollama
 # --------------------------------------------------------------------------------------------------------------
 
-# The Go-template twin of a ChatML chat template (Qwen2/2.5/3 and many others), in the shape of Ollama's own
-# qwen2.5 template without tools. Ollama fills .System from the system messages (or the Modelfile's SYSTEM when
-# the conversation has none) and .Messages with the turns; the last assistant turn is left open so a partial
-# answer is continued, and a conversation ending on a user turn gets the assistant header.
-CHATML_GO_TEMPLATE = """{{- if .System }}<|im_start|>system
-{{ .System }}<|im_end|>
-{{ end }}
-{{- range $i, $_ := .Messages }}
-{{- $last := eq (len (slice $.Messages $i)) 1 }}
-{{- if eq .Role "user" }}<|im_start|>user
-{{ .Content }}<|im_end|>
-{{ else if eq .Role "assistant" }}<|im_start|>assistant
-{{ .Content }}{{ if not $last }}<|im_end|>
-{{ end }}
-{{- end }}
-{{- if and (ne .Role "assistant") $last }}<|im_start|>assistant
-{{ end }}
-{{- end }}"""
-
-_PROBE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
-          {"role": "user", "content": "Draw a red circle."}]
-_PROBE_SYSTEM = "You draw SVG."
-
-
-def render_chatml(messages: list[dict], system: str | None) -> str:
-    """The prompt CHATML_GO_TEMPLATE renders for a conversation ending on a user turn (the same rules, in Python)."""
-    text = f"<|im_start|>system\n{system}<|im_end|>\n" if system else ""
-    for m in messages:
-        if m["role"] in ("user", "assistant"):
-            text += f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n"
-    return text + "<|im_start|>assistant\n"
-
-
-def chat_template_kind(tokenizer) -> tuple[str, str | None, str]:
-    """('chatml', default system prompt or None, reason) when the tokenizer's chat template renders exactly as
-    CHATML_GO_TEMPLATE on a probe conversation (with and without a system message); else ('other', None, why)."""
-    template = getattr(tokenizer, "chat_template", None)
-    if not template:
-        return "other", None, "the tokenizer has no chat template"
-    if "<|im_start|>" not in template:
-        return "other", None, "the chat template is not ChatML (<|im_start|>role ... <|im_end|>)"
-    try:
-        with_system = tokenizer.apply_chat_template([{"role": "system", "content": _PROBE_SYSTEM}, *_PROBE],
-                                                    tokenize=False, add_generation_prompt=True)
-        without = tokenizer.apply_chat_template(_PROBE, tokenize=False, add_generation_prompt=True)
-    except Exception as exc:  # a template that raises on plain turns cannot be translated either
-        return "other", None, f"the chat template failed on a probe conversation ({exc})"
-    if with_system != render_chatml(_PROBE, _PROBE_SYSTEM):
-        return "other", None, "the chat template adds text that plain ChatML does not (e.g. reasoning markers)"
-    # A template that inserts a default system prompt (Qwen2.5: "You are Qwen, ...") becomes the Modelfile's SYSTEM.
-    match = re.fullmatch(r"<\|im_start\|>system\n(.*?)<\|im_end\|>\n(.*)", without, flags=re.S)
-    default_system = match.group(1) if match else None
-    if without != render_chatml(_PROBE, default_system):
-        return "other", None, "the chat template renders a conversation without a system message unlike ChatML"
-    return "chatml", default_system, "ChatML template, checked on a probe conversation"
-
-
 _END_MARKER = re.compile(r"end|eos|eot|^</s>$", re.I)
 
 
-def stop_tokens(tokenizer, kind: str) -> list[str]:
-    """Strings that end a turn: <|im_end|> for ChatML, the EOS token, and a pad token that marks an end such as
-    Qwen's <|endoftext|> (a model that drifts past its turn emits it; a plain <pad> or <unk> is no stop)."""
-    stops = ["<|im_end|>"] if kind == "chatml" else []
+def stop_tokens(tokenizer, template: Template | None) -> list[str]:
+    """Strings that end a turn: the template's end token (<|im_end|> for ChatML), the EOS token, and a pad token that
+    marks an end such as Qwen's <|endoftext|> (a model that drifts past its turn emits it; a plain <pad> or <unk> is
+    no stop)."""
+    stops = [template.end_token(tokenizer)] if template is not None else []
     eos, pad = tokenizer.eos_token, tokenizer.pad_token
     for token in (eos, pad if pad and _END_MARKER.search(pad) else None):
         if token and token not in stops:
@@ -663,14 +611,16 @@ def _quote(text: str) -> str:
 
 
 def write_modelfile(gguf_path: str | Path, tokenizer, out_path: str | Path | None = None, *,
-                    system_prompt: str | None = None, temperature: float = 0.7, top_p: float = 0.8,
-                    repeat_penalty: float = 1.05, num_ctx: int = 4096,
+                    system_prompt: str | None = None, temperature: float = SAMPLING["temperature"],
+                    top_p: float = SAMPLING["top_p"], repeat_penalty: float = SAMPLING["repetition_penalty"],
+                    num_ctx: int = 4096,
                     extra_parameters: dict | None = None) -> Path:
     """Write an Ollama Modelfile for gguf_path (default: 'Modelfile' next to it); returns its path.
 
-    TEMPLATE is the Go-template twin of a ChatML chat template (checked on a probe conversation). Any other
-    template is left out: Ollama then reads the chat template the converter stored in the GGUF and picks its
-    own matching template; check it with `ollama show NAME --template`.
+    TEMPLATE is the Go-template twin of the tokenizer's chat template when that is one of freetune.templates'
+    (ChatML, Llama 3, Zephyr: checked on a probe conversation). Any other template is left out: Ollama then reads
+    the chat template the converter stored in the GGUF and picks its own matching template; check it with
+    `ollama show NAME --template`.
     system_prompt: the default system message (None keeps the chat template's own default, if it has one).
     Defaults: temperature 0.7 and top_p 0.8 (Qwen's recommended sampling), num_ctx 4096 (Ollama's default
     context is shorter and silently cuts long prompts and answers).
@@ -681,16 +631,16 @@ def write_modelfile(gguf_path: str | Path, tokenizer, out_path: str | Path | Non
     out = Path(out_path).expanduser() if out_path else gguf.parent / "Modelfile"
     # Ollama resolves FROM relative to the Modelfile's folder: keep the pair movable when they sit together.
     source = f"./{gguf.name}" if gguf.parent.resolve() == out.parent.resolve() else str(gguf.resolve())
-    kind, default_system, reason = chat_template_kind(tokenizer)
+    template, default_system, reason = identify_template(tokenizer)
     lines = [f"# Written by freetune.export.write_modelfile. Chat template: {reason}.", f"FROM {source}", ""]
-    if kind == "chatml":
-        lines += [f"TEMPLATE {_quote(CHATML_GO_TEMPLATE)}", ""]
+    if template is not None:
+        lines += [f"TEMPLATE {_quote(template.go(tokenizer))}", ""]
     else:
         lines += [f"# No TEMPLATE: {reason}; Ollama uses the chat template stored in the GGUF.", ""]
     system = system_prompt if system_prompt is not None else default_system
     if system:
         lines += [f"SYSTEM {_quote(system)}", ""]
-    lines += [f'PARAMETER stop "{token}"' for token in stop_tokens(tokenizer, kind)]
+    lines += [f'PARAMETER stop "{token}"' for token in stop_tokens(tokenizer, template)]
     params = {"temperature": temperature, "top_p": top_p, "repeat_penalty": repeat_penalty, "num_ctx": num_ctx,
               **(extra_parameters or {})}
     lines += [f"PARAMETER {key} {value}" for key, value in params.items()]
