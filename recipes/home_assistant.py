@@ -31,7 +31,9 @@ dataset: str = "tuxevil/Home-Assistant-Requests-V3"  # hub id or local file with
 dataset_split: str = "train"  # which split of the hub data set to read
 columns: dict = {}  # map your columns to freetune's, e.g. {"messages": "conversation"}
 system_prompt: str = ""  # prepended to rows without a system turn; the rows carry the home's devices already
+chat_template: str = "auto"  # "auto": the model's own; else "chatml", "llama3" or "zephyr"
 eval_rows: int = 16  # rows held out (never trained on) for the base-vs-adapter check at the end
+eval_steps: int = 25  # held-out (eval) loss every N steps, in the progress and the plot; 0: never
 max_steps: int = 200  # optimizer steps; each sees micro_batch x grad_accum x GPUs rows (global 16 on T4 x2)
 micro_batch: int = 1  # rows per GPU per forward pass; 8B on a T4 leaves room for 1 at 1,024 tokens (0: auto)
 grad_accum: int = 8  # micro-batches summed per optimizer step; raises the batch without raising memory
@@ -50,6 +52,7 @@ save_steps: int = 25  # checkpoint every N steps, so a stopped session resumes i
 time_budget_min: float = 0  # stop and save a checkpoint after this many minutes; 0: 1 h before the platform's limit (Colab/Kaggle 12 h), none locally
 hub_checkpoint_repo: str = ""  # private Hub repo that receives every checkpoint, so a new session can resume from it; needs HF_TOKEN
 logging_steps: int = 5  # print progress (loss, tokens/s, memory, ETA) every N steps
+report_to: str = "none"  # also log to "tensorboard" or "trackio" (files in the run folder)
 output_dir: str = ""  # empty: the platform's default (Kaggle /kaggle/working, Colab /content or Drive)
 run_name: str = "home-assistant"  # folder name of this run; reuse it to resume, change it to start fresh
 use_drive: bool = False  # Colab: keep checkpoints on Google Drive so they outlive the session
@@ -83,6 +86,7 @@ plan = freetune.preflight.make_plan(
     lora_rank=lora_rank, gradient_checkpointing=gradient_checkpointing, optimizer=optimizer, precision=precision,
     compile=torch_compile,
 )
+freetune.tracking.check_options(report_to=report_to, eval_steps=eval_steps, eval_rows=eval_rows)
 for repo in (hub_repo, hub_checkpoint_repo):  # a missing token must stop us now, not after hours of training
     if repo:
         freetune.secrets.hf_token(required=True, purpose=f"push to {repo}")
@@ -99,7 +103,7 @@ print(f"run folder: {paths.run_dir}")
 # system turn: a model trained on actions for devices the home does not have learns to invent devices.
 
 # %%
-tokenizer = freetune.model.load_tokenizer(model_id)
+tokenizer = freetune.model.load_tokenizer(model_id, chat_template=chat_template)
 rows = freetune.data.normalize(freetune.data.load_rows(dataset, split=dataset_split), columns=columns,
                               system_prompt=system_prompt or None)
 train_rows, held_out = freetune.data.split_eval(rows, eval_rows, seed=seed)
@@ -125,7 +129,7 @@ freetune.data.save_prepared(paths.data, train_rows, held_out)
 # %% tags=["train"]
 dist = freetune.distributed.init()
 train_rows, held_out = freetune.data.load_prepared(paths.data)
-tokenizer = freetune.model.load_tokenizer(model_id)
+tokenizer = freetune.model.load_tokenizer(model_id, chat_template=chat_template)
 model = freetune.model.load_base_model(model_id, plan, local_rank=dist.local_rank,
                                        gradient_checkpointing=plan.gradient_checkpointing)
 model, trainable, total = freetune.model.attach_lora(model, rank=lora_rank, alpha=lora_alpha,
@@ -143,9 +147,11 @@ config = freetune.train.make_config(
     learning_rate=learning_rate, max_length=plan.max_length, optimizer=optimizer, max_grad_norm=max_grad_norm,
     logging_steps=logging_steps, save_steps=save_steps, gradient_checkpointing=plan.gradient_checkpointing,
     seed=seed, assistant_only="messages" in train_rows.column_names,
+    eval_steps=eval_steps, report_to=report_to,
 )
 summary = freetune.train.train(model, tokenizer, train_rows, config, paths=paths,
-                               time_budget_min=time_budget_min, hub_checkpoint_repo=hub_checkpoint_repo)
+                               time_budget_min=time_budget_min, hub_checkpoint_repo=hub_checkpoint_repo,
+                               eval_dataset=held_out)
 del model  # free the GPU for the evaluation below
 freetune.distributed.cleanup()
 
@@ -162,6 +168,16 @@ summary = freetune.train.show_summary(paths)
 comparison = freetune.sanity.compare(model_id, paths.adapter, freetune.sanity.pick_rows(held_out, sanity_rows),
                                      task="home_assistant", max_new_tokens=max_new_tokens)
 comparison
+
+# %% [markdown]
+# ## Try it
+# Type a prompt and watch the adapter answer as it writes (an empty prompt ends). Run headless
+# (papermill, CI), nobody can type, so it answers a few held-out prompts instead. On Kaggle this
+# runs here in the notebook, on one GPU, after the torchrun job has ended.
+
+# %%
+answers = freetune.chat.try_it(model_id, paths.adapter, held_out,
+                               system_prompt=system_prompt or None, max_new_tokens=max_new_tokens)
 
 # %% [markdown]
 # ## Export

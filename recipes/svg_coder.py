@@ -27,7 +27,9 @@ dataset: str = "thesantatitan/deepseek-svg-dataset"  # hub id or local .jsonl/.p
 dataset_split: str = "train"  # which split of the hub data set to read
 columns: dict = {}  # map your columns to freetune's, e.g. {"prompt": "description", "completion": "svg"}
 system_prompt: str = "You are an SVG artist. Answer with one complete SVG document and nothing else."  # shown to the model in every row
+chat_template: str = "auto"  # "auto": the model's own; else "chatml", "llama3" or "zephyr"
 eval_rows: int = 16  # rows held out (never trained on) for the base-vs-adapter check at the end
+eval_steps: int = 50  # held-out (eval) loss every N steps, in the progress and the plot; 0: never
 max_steps: int = 300  # optimizer steps; each sees micro_batch x grad_accum x GPUs rows (~40 min on a T4)
 micro_batch: int = 0  # rows per GPU per forward pass; 0 means the largest that fits (preflight picks; far faster than 1)
 grad_accum: int = 8  # rows per GPU per optimizer step when micro_batch is 0; else micro-batches per step
@@ -46,6 +48,7 @@ save_steps: int = 50  # checkpoint every N steps, so a lost session resumes inst
 time_budget_min: float = 0  # stop and save a checkpoint after this many minutes; 0: 1 h before the platform's limit (Colab/Kaggle 12 h), none locally
 hub_checkpoint_repo: str = ""  # private Hub repo that receives every checkpoint, so a new session can resume from it; needs HF_TOKEN
 logging_steps: int = 5  # print progress (loss, tokens/s, memory, ETA) every N steps
+report_to: str = "none"  # also log to "tensorboard" or "trackio" (files in the run folder)
 output_dir: str = ""  # empty: the platform's default (Kaggle /kaggle/working, Colab /content or Drive)
 run_name: str = "svg-coder"  # folder name of this run; reuse it to resume, change it to start fresh
 use_drive: bool = False  # Colab: keep checkpoints on Google Drive so they outlive the session
@@ -79,6 +82,7 @@ plan = freetune.preflight.make_plan(
     lora_rank=lora_rank, gradient_checkpointing=gradient_checkpointing, optimizer=optimizer, precision=precision,
     compile=torch_compile,
 )
+freetune.tracking.check_options(report_to=report_to, eval_steps=eval_steps, eval_rows=eval_rows)
 for repo in (hub_repo, hub_checkpoint_repo):  # a missing token must stop us now, not after hours of training
     if repo:
         freetune.secrets.hf_token(required=True, purpose=f"push to {repo}")
@@ -96,7 +100,7 @@ print(f"run folder: {paths.run_dir}")
 # removes them and stops if anything blocking remains.
 
 # %%
-tokenizer = freetune.model.load_tokenizer(model_id)
+tokenizer = freetune.model.load_tokenizer(model_id, chat_template=chat_template)
 rows = freetune.data.normalize(freetune.data.load_rows(dataset, split=dataset_split), columns=columns)
 rows = freetune.data.as_chat(rows, system_prompt)  # an instruct model learns best in its own chat format
 train_rows, held_out = freetune.data.split_eval(rows, eval_rows, seed=seed)
@@ -122,7 +126,7 @@ freetune.data.save_prepared(paths.data, train_rows, held_out)
 # %% tags=["train"]
 dist = freetune.distributed.init()
 train_rows, held_out = freetune.data.load_prepared(paths.data)
-tokenizer = freetune.model.load_tokenizer(model_id)
+tokenizer = freetune.model.load_tokenizer(model_id, chat_template=chat_template)
 model = freetune.model.load_base_model(model_id, plan, local_rank=dist.local_rank,
                                        gradient_checkpointing=plan.gradient_checkpointing)
 model, trainable, total = freetune.model.attach_lora(model, rank=lora_rank, alpha=lora_alpha,
@@ -140,9 +144,11 @@ config = freetune.train.make_config(
     learning_rate=learning_rate, max_length=plan.max_length, optimizer=optimizer, max_grad_norm=max_grad_norm,
     logging_steps=logging_steps, save_steps=save_steps, gradient_checkpointing=plan.gradient_checkpointing,
     seed=seed, assistant_only="messages" in train_rows.column_names,
+    eval_steps=eval_steps, report_to=report_to,
 )
 summary = freetune.train.train(model, tokenizer, train_rows, config, paths=paths,
-                               time_budget_min=time_budget_min, hub_checkpoint_repo=hub_checkpoint_repo)
+                               time_budget_min=time_budget_min, hub_checkpoint_repo=hub_checkpoint_repo,
+                               eval_dataset=held_out)
 del model  # free the GPU for the evaluation below
 freetune.distributed.cleanup()
 
@@ -165,6 +171,16 @@ comparison
 from IPython.display import Image
 
 Image(filename=str(freetune.tasks.svg.side_by_side_png(comparison.examples(), f"{paths.reports}/side_by_side.png")))
+
+# %% [markdown]
+# ## Try it
+# Type a prompt and watch the adapter answer as it writes (an empty prompt ends). Run headless
+# (papermill, CI), nobody can type, so it answers a few held-out prompts instead. On Kaggle this
+# runs here in the notebook, on one GPU, after the torchrun job has ended.
+
+# %%
+answers = freetune.chat.try_it(model_id, paths.adapter, held_out,
+                               system_prompt=system_prompt or None, max_new_tokens=max_new_tokens)
 
 # %% [markdown]
 # ## Export

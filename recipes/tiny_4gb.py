@@ -23,9 +23,11 @@
 model_id: str = "TinyLlama/TinyLlama-1.1B-Chat-v1.0"  # hub id or local folder; 1.1B is what fits 4 GB with room
 dataset: str = "yahma/alpaca-cleaned"  # hub id or local file
 dataset_split: str = "train"  # which split of the hub data set to read
-columns: dict = {"prompt": ["instruction", "input"], "completion": "output"}  # Alpaca's columns -> prompt/completion
+columns: dict = {}  # Alpaca's instruction/input/output are read as they are; map other names here
 system_prompt: str = "You are a helpful assistant."  # shown to the model in every row
+chat_template: str = "auto"  # "auto": the model's own; else "chatml", "llama3" or "zephyr"
 eval_rows: int = 16  # rows held out (never trained on) for the base-vs-adapter check at the end
+eval_steps: int = 50  # held-out (eval) loss every N steps, in the progress and the plot; 0: never
 max_steps: int = 200  # optimizer steps; each sees micro_batch x grad_accum rows
 micro_batch: int = 1  # one row per forward pass: the activation memory of a 4 GB card allows no more
 grad_accum: int = 8  # 8 rows per optimizer step without 8 rows of activations in memory
@@ -44,6 +46,7 @@ save_steps: int = 50  # checkpoint every N steps, so a crash resumes instead of 
 time_budget_min: float = 0  # stop and save a checkpoint after this many minutes; 0: 1 h before the platform's limit (Colab/Kaggle 12 h), none locally
 hub_checkpoint_repo: str = ""  # private Hub repo that receives every checkpoint, so a new session can resume from it; needs HF_TOKEN
 logging_steps: int = 1  # print progress and GPU memory at every step: the point of this recipe
+report_to: str = "none"  # also log to "tensorboard" or "trackio" (files in the run folder)
 output_dir: str = ""  # empty: the platform's default (Kaggle /kaggle/working, Colab /content or Drive)
 run_name: str = "tiny-4gb"  # folder name of this run; reuse it to resume, change it to start fresh
 use_drive: bool = False  # Colab: keep checkpoints on Google Drive so they outlive the session
@@ -77,6 +80,7 @@ plan = freetune.preflight.make_plan(
     lora_rank=lora_rank, gradient_checkpointing=gradient_checkpointing, optimizer=optimizer, precision=precision,
     memory_budget_gib=gpu_memory_cap_gib or None,
 )
+freetune.tracking.check_options(report_to=report_to, eval_steps=eval_steps, eval_rows=eval_rows)
 for repo in (hub_repo, hub_checkpoint_repo):  # a missing token must stop us now, not after hours of training
     if repo:
         freetune.secrets.hf_token(required=True, purpose=f"push to {repo}")
@@ -92,7 +96,7 @@ print(f"run folder: {paths.run_dir}")
 # (a pipeline's error string, say), duplicates, and rows `max_length` would cut.
 
 # %%
-tokenizer = freetune.model.load_tokenizer(model_id)
+tokenizer = freetune.model.load_tokenizer(model_id, chat_template=chat_template)
 rows = freetune.data.normalize(freetune.data.load_rows(dataset, split=dataset_split), columns=columns)
 rows = freetune.data.as_chat(rows, system_prompt)  # an instruct model learns best in its own chat format
 train_rows, held_out = freetune.data.split_eval(rows, eval_rows, seed=seed)
@@ -118,7 +122,7 @@ freetune.data.save_prepared(paths.data, train_rows, held_out)
 # %% tags=["train"]
 dist = freetune.distributed.init()
 train_rows, held_out = freetune.data.load_prepared(paths.data)
-tokenizer = freetune.model.load_tokenizer(model_id)
+tokenizer = freetune.model.load_tokenizer(model_id, chat_template=chat_template)
 model = freetune.model.load_base_model(model_id, plan, local_rank=dist.local_rank,
                                        gradient_checkpointing=plan.gradient_checkpointing,
                                        memory_cap_gib=gpu_memory_cap_gib)
@@ -137,9 +141,11 @@ config = freetune.train.make_config(
     learning_rate=learning_rate, max_length=plan.max_length, optimizer=optimizer, max_grad_norm=max_grad_norm,
     logging_steps=logging_steps, save_steps=save_steps, gradient_checkpointing=plan.gradient_checkpointing,
     seed=seed, assistant_only="messages" in train_rows.column_names,
+    eval_steps=eval_steps, report_to=report_to,
 )
 summary = freetune.train.train(model, tokenizer, train_rows, config, paths=paths,
-                               time_budget_min=time_budget_min, hub_checkpoint_repo=hub_checkpoint_repo)
+                               time_budget_min=time_budget_min, hub_checkpoint_repo=hub_checkpoint_repo,
+                               eval_dataset=held_out)
 del model  # free the GPU for the evaluation below
 freetune.distributed.cleanup()
 
@@ -155,6 +161,16 @@ summary = freetune.train.show_summary(paths)
 comparison = freetune.sanity.compare(model_id, paths.adapter, freetune.sanity.pick_rows(held_out, sanity_rows),
                                      task=None, max_new_tokens=max_new_tokens)
 comparison
+
+# %% [markdown]
+# ## Try it
+# Type a prompt and watch the adapter answer as it writes (an empty prompt ends). Run headless
+# (papermill, CI), nobody can type, so it answers a few held-out prompts instead. On Kaggle this
+# runs here in the notebook, on one GPU, after the torchrun job has ended.
+
+# %%
+answers = freetune.chat.try_it(model_id, paths.adapter, held_out,
+                               system_prompt=system_prompt or None, max_new_tokens=max_new_tokens)
 
 # %% [markdown]
 # ## Export
