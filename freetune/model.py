@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from freetune import templates
+from freetune import bnb_cpu, templates
 from freetune.errors import FreetuneError
 from freetune.fast import VARLEN_ATTENTION, register_attention
 from freetune.preflight import Plan
@@ -101,6 +101,8 @@ def load_base_model(model_id: str, plan: Plan, *, local_rank: int = 0, gradient_
         gradient_checkpointing = plan.gradient_checkpointing
     if plan.attn_implementation == VARLEN_ATTENTION:
         register_attention()  # transformers must know the name before from_pretrained
+    if quantize and plan.device == "cpu":
+        bnb_cpu.ensure_correct_dequantize()  # some CPUs' native 4-bit kernels dequantise odd-sized layers wrongly
     # The non-quantised weights load in the compute dtype (fp16 on a T4 whatever the config says).
     kwargs = dict(dtype=plan.torch_dtype, attn_implementation=plan.attn_implementation)
     fsdp = plan.layout == "fsdp"
@@ -147,6 +149,8 @@ def load_base_model(model_id: str, plan: Plan, *, local_rank: int = 0, gradient_
     elif gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False  # the KV cache is useless in training and conflicts with checkpointing
+    if quantize and plan.device == "cpu":
+        bnb_cpu.keep_cpu_inference_layout(model)
     return model
 
 

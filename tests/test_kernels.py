@@ -49,6 +49,9 @@ def test_the_fused_dequantisation_is_bitsandbytes_own(nested, dtype):
     8-bit absmax values quant_args dequantises once, to fp32)."""
     import bitsandbytes.functional as bnbf
 
+    from freetune import bnb_cpu
+
+    bnb_cpu.ensure_correct_dequantize()  # as freetune does before it loads a 4-bit model on a CPU
     weight = torch.randn(96, 160, generator=torch.Generator().manual_seed(1)).to(dtype)
     packed, state = bnbf.quantize_4bit(weight, quant_type="nf4", compress_statistics=nested)
     assert state.nested == nested

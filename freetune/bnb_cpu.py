@@ -1,0 +1,104 @@
+"""bitsandbytes' CPU 4-bit kernels, checked once per process, with a correct path where they are wrong.
+
+Written against bitsandbytes 0.50.2. Its native CPU NF4/FP4 dequantisation (the AVX-512 build of
+`libbitsandbytes_cpu`) walks the weight row by row, as if every row started a new block of `blocksize`
+weights; the quantisation (and the CUDA kernels) block the flat tensor. A layer whose input size is not a multiple
+of the block size (64) then dequantises to other weights: on an AVX-512 CPU the round trip of a 96 x 160 weight has
+a mean error of ~0.16 against ~0.07 for the same NF4 blocks dequantised correctly, and a 4-bit model would train
+on those wrong weights. The same CPUs' inference repacking (`Linear4bit` in eval mode with AVX-512 bf16) cannot
+reshape such a layer at all. Where the native kernel is right (AVX2 builds, or rows that are whole blocks) it stays.
+
+`ensure_correct_dequantize()` runs the check once (a few milliseconds) and, where it fails, registers a pure-PyTorch
+dequantisation as bitsandbytes' CPU kernel for every shape (the CUDA kernels are untouched) and says so once.
+`keep_cpu_inference_layout(model)` keeps such layers out of the broken inference repacking.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+_CHECKED: dict = {}  # "result": (correct, why), once per process
+# A weight whose rows are 2.5 blocks long: the condition the native kernel gets wrong.
+PROBE_SHAPE = (96, 160)
+
+
+def dequantize_4bit_reference(packed, absmax, blocksize: int, quant_type: str, shape, dtype):
+    """The 4-bit weight as bitsandbytes' CUDA kernel computes it: two codes per byte (high nibble first), each
+    looked up in the NF4/FP4 table and scaled by its block's absmax, blocks of `blocksize` over the flat tensor."""
+    import torch
+    from bitsandbytes.functional import get_4bit_type
+
+    flat = packed.reshape(-1)
+    if flat.dtype != torch.uint8:
+        flat = flat.view(torch.uint8)
+    n = math.prod(shape)
+    codes = torch.stack([flat >> 4, flat & 0xF], dim=1).reshape(-1)[:n].long()
+    values = get_4bit_type(quant_type, device=flat.device)[codes].float()
+    scale = absmax.float().repeat_interleave(blocksize)[:n]
+    return (values * scale).reshape(shape).to(dtype)
+
+
+def check_dequantize() -> tuple[bool, str]:
+    """(correct, why): bitsandbytes' CPU dequantisation of the probe weight against the reference, NF4 and FP4."""
+    import torch
+    import bitsandbytes.functional as bnbf
+
+    weight = torch.randn(*PROBE_SHAPE, generator=torch.Generator().manual_seed(0))
+    for quant_type in ("nf4", "fp4"):
+        packed, state = bnbf.quantize_4bit(weight, quant_type=quant_type, compress_statistics=False)
+        got = torch.ops.bitsandbytes.dequantize_4bit.default(packed, state.absmax, state.blocksize, quant_type,
+                                                             list(state.shape), torch.float32)
+        want = dequantize_4bit_reference(packed, state.absmax, state.blocksize, quant_type, state.shape,
+                                         torch.float32)
+        if not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
+            err = (got - weight).abs().mean().item()
+            ref_err = (want - weight).abs().mean().item()
+            return False, (f"{quant_type} round trip of a {PROBE_SHAPE[0]} x {PROBE_SHAPE[1]} weight: mean error "
+                           f"{err:.3f}, against {ref_err:.3f} for the same blocks dequantised correctly")
+    return True, "agrees with the reference"
+
+
+def ensure_correct_dequantize() -> bool:
+    """Check bitsandbytes' CPU 4-bit dequantisation once; where it is wrong, replace it (CPU only) with the
+    reference and print why. Returns True when the replacement is in place."""
+    if "result" in _CHECKED:
+        return not _CHECKED["result"][0]
+    import bitsandbytes  # noqa: F401  (registers its ops and CPU kernels first)
+    import torch
+
+    correct, why = check_dequantize()
+    _CHECKED["result"] = (correct, why)
+    if correct:
+        return False
+
+    def dequantize_4bit_cpu(A, absmax, blocksize, quant_type, shape, dtype):
+        return dequantize_4bit_reference(A, absmax, blocksize, quant_type, shape, dtype)
+
+    with warnings.catch_warnings():  # torch warns that a kernel is overridden: that is the point
+        warnings.simplefilter("ignore")
+        torch.library.register_kernel("bitsandbytes::dequantize_4bit", "cpu", dequantize_4bit_cpu)
+    still, _ = check_dequantize()
+    if not still:
+        raise RuntimeError("freetune could not replace bitsandbytes' CPU 4-bit dequantisation")
+    from freetune.distributed import print0
+
+    print0(f"bitsandbytes {bitsandbytes.__version__}'s CPU 4-bit dequantisation is wrong on this CPU for layers whose "
+          f"input size is not a multiple of 64 ({why}): freetune dequantises 4-bit weights on the CPU in PyTorch "
+          f"instead. GPUs are not affected.")
+    return True
+
+
+def keep_cpu_inference_layout(model) -> int:
+    """Keep bitsandbytes' Linear4bit layers whose input size is not a whole number of blocks out of the CPU
+    inference repacking (AVX-512 bf16 CPUs, eval mode), which cannot reshape them; returns how many."""
+    from bitsandbytes.nn import Linear4bit
+
+    kept = 0
+    for module in model.modules():
+        state = getattr(getattr(module, "weight", None), "quant_state", None)
+        if isinstance(module, Linear4bit) and state is not None and module.in_features % state.blocksize:
+            if getattr(module, "support_avx512bf16_for_cpu", False):
+                module.support_avx512bf16_for_cpu = False
+                kept += 1
+    return kept
