@@ -19,7 +19,7 @@ import os
 import time
 from pathlib import Path
 
-from freetune import checkpoint, fast, kernels, tracking
+from freetune import bnb_cpu, checkpoint, fast, kernels, tracking
 from freetune.distributed import COLLECTIVE_TIMEOUT_S, WriteTracer, check_replicas_agree, context, print0
 from freetune.errors import FreetuneError
 from freetune.model import adapter_dtype_guard
@@ -255,6 +255,8 @@ def train(model, tokenizer, train_dataset, config, *, paths: Paths, eval_dataset
     from transformers.trainer_callback import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)  # it prints raw log dicts; ProgressPrinter prints one clean line
+    if eval_dataset is not None:
+        bnb_cpu.keep_training_layout(trainer.model)  # evaluations between steps must not repack it for inference
     fast.apply_batching(trainer, getattr(config, "freetune_batching", "padded"))
     if getattr(config, "freetune_sampler", "") == "rank_balanced" and trainer.args.world_size > 1:
         print0(f"Sampler: each optimizer step's rows are dealt to the {trainer.args.world_size} ranks by length, "
