@@ -8,7 +8,7 @@ what will not fit, and a failure leaves the adapter where it was.
   away), on the GPU when a copy fits in its free memory, else on the CPU. A 7B model's merged copy is ~15 GB of
   RAM and disk; Kaggle's working folder holds 20 GB in all.
 - GGUF: llama.cpp's own `convert_hf_to_gguf.py` writes f16 / q8_0; `llama-quantize` (compiled llama.cpp) makes
-  q4_k_m when present. The converter comes from llama.cpp itself (a clone, or the copy vendored in the
+  q4_k_m when present, else Ollama makes it from the f16 file (`ollama create -q q4_K_M -f Modelfile.f16`). The converter comes from llama.cpp itself (a clone, or the copy vendored in the
   `llama-cpp-python` source distribution on PyPI: `fetch_converter`), never from a home-made writer.
 - Ollama: a Modelfile whose TEMPLATE is the Go-template twin of the model's chat template when that is one freetune
   trains with (freetune.templates: ChatML, Llama 3, Zephyr; checked on a probe conversation before it is written),
@@ -377,6 +377,12 @@ GET_CONVERTER_HELP = (
     "`!pip install sentencepiece`, then pass converter='llama.cpp' (or set FREETUNE_LLAMA_CPP to the folder). "
     "Do not `pip install -r` llama.cpp's requirements there: they pin a CPU build of torch and an older "
     "transformers, which would replace the notebook's own.")
+# llama.cpp's k-quants (q4_k_m) come only from its compiled llama-quantize: gguf-py quantises q8_0 but no k-quant, and
+# PyPI's llama-cpp-python ships a source distribution only (building its llama.cpp took 17 minutes on a 2-core CI
+# machine). Ollama quantises an f16 GGUF itself on import, so that is the one step offered instead.
+Q4_K_M_BY_OLLAMA = ("q4_k_m (the size Ollama users pull) needs llama.cpp's compiled llama-quantize, which no PyPI "
+                    "package ships ready to run; Ollama makes it from the f16 GGUF: see the `ollama create -q q4_K_M` "
+                    "line below.")
 GET_QUANTIZE_HELP = (
     "q4_k_m needs llama.cpp's compiled `llama-quantize`. Build it (a few minutes) with "
     "`git clone --depth 1 https://github.com/ggml-org/llama.cpp && cmake -S llama.cpp -B llama.cpp/build "
@@ -537,7 +543,7 @@ def convert_to_gguf(merged_dir: str | Path, out_dir: str | Path, *, outtypes=("f
 
     tool = find_quantize_tool(quantize_tool, script) if quantize else None
     if quantize and tool is None:
-        print(f"Skipping {', '.join(quantize)}: llama-quantize was not found. {GET_QUANTIZE_HELP}", flush=True)
+        print(f"Skipping {', '.join(quantize)}: {Q4_K_M_BY_OLLAMA}", flush=True)
         quantize = ()
     source_types = [t for t in outtypes if t in ("f16", "bf16", "f32")]
     intermediate = "f16" if quantize and not source_types else None
@@ -621,6 +627,8 @@ def write_modelfile(gguf_path: str | Path, tokenizer, out_path: str | Path | Non
     (ChatML, Llama 3, Zephyr: checked on a probe conversation). Any other template is left out: Ollama then reads
     the chat template the converter stored in the GGUF and picks its own matching template; check it with
     `ollama show NAME --template`.
+    Beside a q8_0 file with its f16 twin, `Modelfile.f16` (FROM the f16 file) is written too: `ollama create -q
+    q4_K_M` quantises an f16 GGUF, and ollama_commands names it.
     system_prompt: the default system message (None keeps the chat template's own default, if it has one).
     Defaults: temperature 0.7 and top_p 0.8 (Qwen's recommended sampling), num_ctx 4096 (Ollama's default
     context is shorter and silently cuts long prompts and answers).
@@ -646,7 +654,22 @@ def write_modelfile(gguf_path: str | Path, tokenizer, out_path: str | Path | Non
     lines += [f"PARAMETER {key} {value}" for key, value in params.items()]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
+    f16 = _f16_beside(gguf)
+    if f16 is not None and out_path is None:  # for `ollama create -q q4_K_M`, which quantises an f16 GGUF
+        out.with_name(F16_MODELFILE).write_text(
+            "\n".join(f"FROM ./{f16.name}" if line.startswith("FROM ") else line for line in lines) + "\n")
     return out
+
+
+F16_MODELFILE = "Modelfile.f16"
+
+
+def _f16_beside(gguf: Path) -> Path | None:
+    """The f16 GGUF converted with `gguf` (same name, -F16), when there is one and `gguf` is not already a k-quant
+    or f16 itself."""
+    stem, _, kind = gguf.stem.rpartition("-")
+    f16 = gguf.with_name(f"{stem}-F16.gguf")
+    return f16 if kind.upper() not in ("F16", "Q4_K_M") and f16.is_file() else None
 
 
 _OLLAMA_NAME = re.compile(r"^([a-z0-9][a-z0-9._-]*/)?[a-z0-9][a-z0-9._-]*(:[A-Za-z0-9][A-Za-z0-9._-]*)?$")
@@ -658,7 +681,13 @@ def ollama_commands(modelfile: str | Path, name: str) -> str:
         raise FreetuneError(f"{name!r} is not a valid Ollama model name: use lowercase letters, digits, '-', '_' "
                             f"and '.', optionally 'namespace/' before and ':tag' after (e.g. 'svg-coder:q8').")
     modelfile = Path(modelfile).expanduser().absolute()
-    return f"ollama create {name} -f {modelfile}\nollama run {name}"
+    commands = f"ollama create {name} -f {modelfile}\nollama run {name}"
+    f16 = modelfile.with_name(F16_MODELFILE)
+    if f16.is_file():
+        base = name.split(":")[0]
+        commands += (f"\n# q4_k_m, the size Ollama users pull (~40% smaller than q8_0), quantised by Ollama from the f16 "
+                     f"GGUF:\nollama create {base}:q4_k_m -q q4_K_M -f {f16}")
+    return commands
 
 
 # --------------------------------------------------------------------------------------------------------------

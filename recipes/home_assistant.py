@@ -183,9 +183,10 @@ answers = freetune.chat.try_it(model_id, paths.adapter, held_out,
 # ## Export
 # The adapter (a few MB to a few hundred) is always saved in the run folder. To run the model at home:
 # `export_gguf=True` merges it into a 16-bit copy of the base model (on the GPU if it fits, else on the CPU;
-# RAM and disk are checked first), converts that with llama.cpp's own converter (f16 and q8_0; q4_k_m when
-# llama.cpp's `llama-quantize` is built) and writes an Ollama Modelfile. The converter comes from PyPI's
-# llama-cpp-python source package, or `git clone --depth 1 https://github.com/ggml-org/llama.cpp`.
+# RAM and disk are checked first), converts that with llama.cpp's own converter (f16 and q8_0) and writes an
+# Ollama Modelfile; Ollama makes q4_k_m, the size its users pull, from the f16 file (the command is
+# printed). The converter comes from PyPI's llama-cpp-python source package, or
+# `git clone --depth 1 https://github.com/ggml-org/llama.cpp`.
 # `hub_repo` pushes the adapter, with a model card recording base model, data, recipe, parameters, audit and
 # evaluation, to a private Hub repo (token from Colab/Kaggle secrets or HF_TOKEN, never printed).
 
