@@ -378,8 +378,8 @@ GET_CONVERTER_HELP = (
     "Do not `pip install -r` llama.cpp's requirements there: they pin a CPU build of torch and an older "
     "transformers, which would replace the notebook's own.")
 # llama.cpp's k-quants (q4_k_m) come only from its compiled llama-quantize: gguf-py quantises q8_0 but no k-quant, and
-# PyPI's llama-cpp-python ships a source distribution only (building its llama.cpp took 17 minutes on a 2-core CI
-# machine). Ollama quantises an f16 GGUF itself on import, so that is the one step offered instead.
+# PyPI's llama-cpp-python ships a source distribution only (a C++ build of llama.cpp: minutes of every CI run and of a
+# free notebook's two cores). Ollama quantises an f16 GGUF itself on import, so that is the one step offered instead.
 Q4_K_M_BY_OLLAMA = ("q4_k_m (the size Ollama users pull) needs llama.cpp's compiled llama-quantize, which no PyPI "
                     "package ships ready to run; Ollama makes it from the f16 GGUF: see the `ollama create -q q4_K_M` "
                     "line below.")

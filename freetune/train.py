@@ -362,29 +362,40 @@ def show_summary(paths: Paths) -> dict:
               f"{evals[-1][0]} (best {summary['best_eval_loss']:.4f} at step {summary['best_eval_step']}).")
     if summary.get("overfitting"):
         print(f"WARNING: {summary['overfitting']}")
-    points = [(h["step"], h["loss"], h.get("learning_rate")) for h in history if "loss" in h]
-    if points:
-        import matplotlib
-
-        if "ipykernel" not in os.environ.get("MPLBACKEND", "") and not _in_notebook():
-            matplotlib.use("Agg")
+    fig = loss_figure(history)
+    if fig is not None:
         import matplotlib.pyplot as plt
 
-        fig, (ax_loss, ax_lr) = plt.subplots(1, 2, figsize=(10, 3.2))
-        steps = [p[0] for p in points]
-        ax_loss.plot(steps, [p[1] for p in points], marker=".", label="training")
-        if evals:
-            ax_loss.plot([e[0] for e in evals], [e[1] for e in evals], marker="o", label="held-out (eval)")
-            ax_loss.legend()
-        ax_loss.set(title="loss", xlabel="step")
-        ax_lr.plot(steps, [p[2] or 0 for p in points], color="tab:orange")
-        ax_lr.set(title="learning rate", xlabel="step")
-        fig.tight_layout()
         fig.savefig(reports / "loss.png", dpi=90)
         if _in_notebook():
             plt.show()
         plt.close(fig)
     return summary
+
+
+def loss_figure(history: list[dict]):
+    """Training and held-out loss, and the learning rate, against step (None when nothing was logged)."""
+    points = [(h["step"], h["loss"], h.get("learning_rate")) for h in history if "loss" in h]
+    if not points:
+        return None
+    import matplotlib
+
+    if "ipykernel" not in os.environ.get("MPLBACKEND", "") and not _in_notebook():
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_lr) = plt.subplots(1, 2, figsize=(10, 3.2))
+    steps = [p[0] for p in points]
+    ax_loss.plot(steps, [p[1] for p in points], marker=".", label="training")
+    evals = tracking.eval_points(history)
+    if evals:
+        ax_loss.plot([e[0] for e in evals], [e[1] for e in evals], marker="o", label="held-out (eval)")
+        ax_loss.legend()
+    ax_loss.set(title="loss", xlabel="step")
+    ax_lr.plot(steps, [p[2] or 0 for p in points], color="tab:orange")
+    ax_lr.set(title="learning rate", xlabel="step")
+    fig.tight_layout()
+    return fig
 
 
 def _in_notebook() -> bool:

@@ -19,5 +19,5 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 # torch first, pinned to the CPU build: an unpinned torch would pull a multi-GB CUDA build.
 .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[train,tasks,dev]"
+.venv/bin/python -m pip install -q -e ".[train,tasks,logging,dev]"
 .venv/bin/python -c "import torch, transformers, trl, peft, bitsandbytes, freetune; print('ready: torch', torch.__version__, '| transformers', transformers.__version__, '| trl', trl.__version__, '| freetune', freetune.__version__)"
