@@ -55,7 +55,7 @@ BATCHING = ("padding_free", "grouped", "padded")
 # reads plain module dicts filled beforehand, never a functools.cache'd function: dynamo ignores the cache and
 # traces the function itself: calling the cached probe from the attention function ran the whole probe (a forward
 # and backward on test tensors, and a graph break) in every attention call of every step.
-_CHOSEN: dict = {}   # GPU index -> (backend or "", why): filled by varlen_works, eagerly (plan, train)
+_CHOSEN: dict = {}   # GPU index -> (backend or "", why): set by varlen_works, eagerly (plan, train)
 _VARLEN: dict = {}   # "fn": torch.nn.attention.varlen.varlen_attn or None, "params": its keyword names
 
 
@@ -70,13 +70,22 @@ def _varlen_fn():
     return _VARLEN["fn"]
 
 
-# Two ways to the same kernel family, tried in this order by `varlen_works`:
+# The variable-length kernels, tried in this order by `varlen_works` among those the plan's policy allows:
 #   "flash"         torch.ops.aten._flash_attention_forward with the rows' cumulative lengths: FlashAttention-2 as
-#                   PyTorch builds it (differentiable; grouped-query heads natively, no copies of k and v);
+#                   PyTorch builds it (differentiable; grouped-query heads natively, no copies of k and v). sm80+;
 #   "torch_varlen"  torch.nn.attention.varlen.varlen_attn. On an H200 with torch 2.11 it runs cuDNN, which was
 #                   measured at 2.7x the GPU time of FlashAttention-2 on these rows and ~3 ms of host time per
-#                   call (a graph built per new set of lengths), and it needs k and v repeated for GQA.
-VARLEN_BACKENDS = ("flash", "torch_varlen")
+#                   call (a graph built per new set of lengths), and it needs k and v repeated for GQA. sm80+;
+#   "efficient"     torch.ops.aten._efficient_attention_forward with the same cumulative lengths: the memory-efficient
+#                   (xformers/CUTLASS) kernel PyTorch builds for sm50 and newer, so the one a T4 (sm75) can run;
+#                   causal inside each row, nothing across rows. It takes equal head counts: k and v are repeated
+#                   for grouped-query attention (a copy of each per layer, small next to the MLP's activations).
+VARLEN_BACKENDS = ("flash", "torch_varlen", "efficient")
+# What each precision policy may use: a T4 (Turing, sm75) has no FlashAttention-2 kernel in PyTorch, and the T4
+# emulation on a bigger GPU holds to what a T4 can run.
+POLICY_BACKENDS = {"ampere": VARLEN_BACKENDS, "turing": ("efficient",)}
+VARLEN_KERNEL_NAMES = {"flash": "FlashAttention-2", "torch_varlen": "varlen_attn",
+                       "efficient": "memory-efficient (sm50+, a T4 included)"}
 
 
 def _varlen_call(q, k, v, cu_seq, max_len: int, scale, backend: str = "flash"):
@@ -86,6 +95,8 @@ def _varlen_call(q, k, v, cu_seq, max_len: int, scale, backend: str = "flash"):
     if backend == "flash":
         return torch.ops.aten._flash_attention_forward(q, k, v, cu_seq, cu_seq, max_len, max_len, 0.0, True, False,
                                                        scale=scale)[0]
+    if backend == "efficient":
+        return _efficient_op()(q, k, v, cu_seq, max_len, scale)
     fn, params = _VARLEN["fn"], _VARLEN["params"]  # set by the probe, which ran before any call of this backend
     kwargs = {}
     if "is_causal" in params:       # torch 2.10/2.11
@@ -101,6 +112,76 @@ def _varlen_call(q, k, v, cu_seq, max_len: int, scale, backend: str = "flash"):
     if scale is not None and "scale" in params:
         kwargs["scale"] = scale
     return fn(q, k, v, cu_seq, cu_seq, max_len, max_len, **kwargs)
+
+
+_EFFICIENT: dict = {}  # "op": the freetune::varlen_efficient custom op, defined once per process
+
+
+def _efficient_op():
+    """freetune::varlen_efficient(q, k, v, cu_seq, max_len, scale): causal attention within each row through PyTorch's
+    memory-efficient kernel (aten._efficient_attention_forward / _backward with cumulative row lengths), as a custom op
+    with its own autograd. Why not the aten ops directly: their backward's meta function (torch 2.11 and 2.13) takes
+    its arguments shifted by one ("got multiple values for argument 'scale'"), so a compiled decoder layer that calls
+    them falls back to eager as a whole; a custom op stays one node of the layer's graph, its shapes given here.
+    Grouped-query heads are repeated inside the op, so that only the unrepeated k and v are saved for the backward."""
+    if "op" in _EFFICIENT:
+        return _EFFICIENT["op"]
+    import torch
+
+    def repeat_kv(q, k, v):
+        groups = q.shape[1] // k.shape[1]
+        return (k, v) if groups == 1 else (k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1))
+
+    def forward_4d(q, k, v, cu, max_len, scale):
+        k, v = repeat_kv(q, k, v)
+        # (1, tokens, heads, dim), as the kernel takes batches; custom_mask_type 1: causal from each row's start.
+        # The logsumexp is what the backward needs; the dropout seeds are not (no dropout in attention).
+        out, lse = torch.ops.aten._efficient_attention_forward(q[None], k[None], v[None], None, cu, cu, max_len,
+                                                               max_len, 0.0, 1, True, scale=scale)[:2]
+        return out[0].clone(), lse  # a custom op's outputs must not be views
+
+    # Schemas spelled out: this module's annotations are strings (from __future__ import annotations).
+    @torch.library.custom_op("freetune::varlen_efficient", mutates_args=(),
+                             schema="(Tensor q, Tensor k, Tensor v, Tensor cu, SymInt max_len, float? scale) "
+                                    "-> (Tensor, Tensor)")
+    def op(q, k, v, cu, max_len, scale):
+        return forward_4d(q, k, v, cu, max_len, scale)
+
+    op.register_fake(forward_4d)  # the forward's own meta function gives the shapes, the logsumexp's included
+
+    @torch.library.custom_op("freetune::varlen_efficient_backward", mutates_args=(),
+                             schema="(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu, "
+                                    "SymInt max_len, float? scale) -> (Tensor, Tensor, Tensor)")
+    def backward_op(grad, q, k, v, out, lse, cu, max_len, scale):
+        kr, vr = repeat_kv(q, k, v)
+        unused = torch.empty((), dtype=torch.long)  # dropout's seed and offset, read only when dropout_p > 0
+        dq, dk, dv, _ = torch.ops.aten._efficient_attention_backward(
+            grad.contiguous()[None], q[None], kr[None], vr[None], None, out[None], cu, cu, max_len, max_len, lse, 0.0,
+            unused, unused, 1, False, scale=scale)
+        dq, dk, dv = dq[0], dk[0], dv[0]
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:  # the repeated heads' gradients summed back onto each key/value head
+            dk = dk.unflatten(1, (k.shape[1], groups)).sum(2)
+            dv = dv.unflatten(1, (v.shape[1], groups)).sum(2)
+        return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+    @backward_op.register_fake
+    def _(grad, q, k, v, out, lse, cu, max_len, scale):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, cu, max_len, scale = inputs
+        ctx.save_for_backward(q, k, v, *output, cu)
+        ctx.max_len, ctx.scale = max_len, scale
+
+    def backward(ctx, grad, _lse_grad):
+        q, k, v, out, lse, cu = ctx.saved_tensors
+        dq, dk, dv = backward_op(grad, q, k, v, out, lse, cu, ctx.max_len, ctx.scale)
+        return dq, dk, dv, None, None, None
+
+    op.register_autograd(backward, setup_context=setup_context)
+    _EFFICIENT["op"] = lambda q, k, v, cu, max_len, scale: op(q, k, v, cu, max_len, scale)[0]
+    return _EFFICIENT["op"]
 
 
 def varlen_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
@@ -156,37 +237,41 @@ def register_attention() -> str:
 
 
 def varlen_backend(device_index: int = 0) -> str:
-    """The first of VARLEN_BACKENDS that passes `varlen_works`'s check on this GPU, or "". Called in every
-    attention layer: a dict lookup once the GPU is probed (train() probes before it compiles the layers)."""
-    return _chosen(device_index)[0]
+    """The kernel `varlen_works` chose for this GPU, or "". Called in every attention layer: a dict lookup once the
+    GPU is probed (the plan and train() probe, for the run's policy, before the layers compile)."""
+    return _CHOSEN.get(device_index, ("", ""))[0]
 
 
-def varlen_works(device_index: int = 0) -> tuple[bool, str]:
-    """(usable, why): run the variable-length attention forward and backward on two short rows with grouped-query
-    heads and compare with sdpa row by row; any error or mismatch means no (the plan then groups by length).
-    Once per process and GPU."""
-    backend, why = _chosen(device_index)
+def varlen_works(device_index: int = 0, policy: str = "ampere") -> tuple[bool, str]:
+    """(usable, why): run the policy's variable-length kernels, in order, forward and backward on two short rows with
+    grouped-query heads, and compare with sdpa row by row; the first that agrees is this GPU's for the process (any
+    error or mismatch means the next; none: the plan groups by length). Once per process, GPU and policy."""
+    backends = POLICY_BACKENDS.get(policy, ())
+    key = (device_index, backends)
+    if key not in _PROBED:
+        _PROBED[key] = _probe(device_index, backends)
+    _CHOSEN[device_index] = _PROBED[key]
+    backend, why = _CHOSEN[device_index]
     return bool(backend), why
 
 
-def _chosen(device_index: int) -> tuple[str, str]:
-    """_probe's answer for this GPU, probed on the first call (eagerly: the plan and train() ask before compiling)."""
-    if device_index not in _CHOSEN:
-        _CHOSEN[device_index] = _probe(device_index)
-    return _CHOSEN[device_index]
+_PROBED: dict = {}  # (GPU index, backends allowed) -> (backend or "", why)
 
 
-def _probe(device_index: int) -> tuple[str, str]:
+def _probe(device_index: int, backends: tuple = VARLEN_BACKENDS) -> tuple[str, str]:
     """(backend or "", why)."""
     import torch
 
     if not torch.cuda.is_available():
         return "", "no CUDA"
+    if not backends:
+        return "", "no variable-length kernel for this precision policy"
     major, minor = torch.cuda.get_device_capability(device_index)
-    if major < 8:
-        return "", f"sm_{major}{minor}: PyTorch's FlashAttention kernels need sm80+"
     failures = []
-    for backend in VARLEN_BACKENDS:
+    for backend in backends:
+        if backend != "efficient" and major < 8:
+            failures.append(f"{backend}: sm_{major}{minor}, PyTorch builds it for sm80+")
+            continue
         if backend == "torch_varlen" and _varlen_fn() is None:
             failures.append(f"torch {torch.__version__} has no torch.nn.attention.varlen (needs >= 2.10)")
             continue
@@ -206,7 +291,7 @@ def _check_against_sdpa(device_index: int, backend: str) -> str:
         gen = torch.Generator(device=device).manual_seed(0)
         lengths, heads, kv_heads, dim = [37, 91], 4, 2, 64
         total = sum(lengths)
-        dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        dtype = torch.bfloat16 if backend != "efficient" and torch.cuda.is_bf16_supported() else torch.float16
         # The model hands over (1, heads, tokens, dim) views; probe the same layout.
         q = torch.randn(1, heads, total, dim, device=device, dtype=dtype, generator=gen).requires_grad_()
         k = torch.randn(1, kv_heads, total, dim, device=device, dtype=dtype, generator=gen).requires_grad_()
@@ -244,19 +329,20 @@ def choose_batching(policy: str, gpus_capability: list[tuple[int, int]], micro_b
         # compared with the plain stack's row for row (LoRA dropout draws other masks for a packed row). On a
         # CPU sdpa would also compute a packed row's dense block-diagonal mask in full, as on a T4.
         return "padded", "", "a CPU run is a check: the plain stack's padded batches, same rows, same dropout draws"
-    if policy == "ampere" and gpus_capability and all(c >= (8, 0) for c in gpus_capability):
+    if policy in POLICY_BACKENDS and gpus_capability:
         import torch
 
         # This process's GPU (under torchrun, LOCAL_RANK's): probing GPU 0 from every rank would put a CUDA
         # context on it for each of them.
-        ok, why = varlen_works(torch.cuda.current_device() if torch.cuda.is_available() else 0)
+        ok, why = varlen_works(torch.cuda.current_device() if torch.cuda.is_available() else 0, policy)
         if ok:
+            kernel = ("the memory-efficient variable-length attention kernel, which a T4 (sm75) runs too,"
+                      if varlen_backend(torch.cuda.current_device() if torch.cuda.is_available() else 0) ==
+                      "efficient" else "variable-length FlashAttention")
             return ("padding_free", VARLEN_ATTENTION,
-                    "rows concatenated (padded to a multiple of 8 tokens only); variable-length FlashAttention "
-                    f"keeps them apart ({why})")
+                    f"rows concatenated (padded to a multiple of 8 tokens only); {kernel} keeps them apart ({why})")
         return ("grouped", "", f"padded batches of similar length, little padding (no padding-free kernel: {why})")
-    return ("grouped", "", "padded batches of similar length, little padding: a T4 has no variable-length "
-                           "FlashAttention, and a packed row's dense mask would cost more than the padding")
+    return ("grouped", "", "padded batches of similar length, little padding")
 
 
 # ------------------------------------------------------------------------------------------------ sampler --

@@ -28,6 +28,7 @@ take 11.6 GiB.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -241,17 +242,45 @@ def layer_activation_bytes(shape: ModelShape, *, lora_rank: int, lora_targets="a
             + c["heads"] * shape.heads + (c["qk_norm"] * (shape.q_dim + shape.kv_dim) if shape.qk_norm else 0))
 
 
+# freetune.model keeps the frozen non-4-bit weights in the compute dtype on a GPU (Plan.frozen_dtype), so the
+# residual stream between layers, and each checkpointed layer's saved input, is 16-bit there.
+# Checkpointed layers' inputs still on the GPU when offloaded (TRL's activation offloading): the ones whose copy to
+# the host is in flight in the forward, and the ones fetched back ahead of their layer's backward.
+OFFLOAD_RESIDENT_LAYERS = 2
+# torch.compile'd decoder layers (freetune.kernels.compile_layers) save what the fused graph's backward needs, not
+# every eager op's inputs: measured on an H200 (docs/performance.md), a compiled Qwen2.5-1.5B layer holds
+# this share of the eager layer's counted bytes per token.
+COMPILED_ACTIVATION_SHARE = 0.45
+# freetune.kernels' fused LoRA layers save their input once (shared by the projections that read it) and dropout's
+# 1-byte mask, where peft's layers keep each projection's dropped 16-bit copy: bytes per token less, per dimension.
+FUSED_DROPOUT_SAVING = dict(hidden=10, q=2, intermediate=2)
+
+
 def activation_bytes_per_token(shape: ModelShape, *, lora_rank: int, lora_targets="all-linear",
-                               gradient_checkpointing: bool, compute_dtype: str = "bfloat16") -> float:
+                               gradient_checkpointing: bool, compute_dtype: str = "bfloat16",
+                               frozen_dtype: str = "float32", offload_activations: bool = False,
+                               lora_kernel: str = "peft", compiled: bool = False, checkpoint_every: int = 1
+                               ) -> float:
     """Bytes per token held at the peak of the backward pass (decoder layers only; the loss head is apart)."""
     per_layer = layer_activation_bytes(shape, lora_rank=lora_rank, lora_targets=lora_targets,
                                        compute_dtype=compute_dtype)
+    if lora_kernel == "fused":
+        per_layer -= (FUSED_DROPOUT_SAVING["hidden"] * shape.hidden + FUSED_DROPOUT_SAVING["q"] * shape.q_dim
+                      + FUSED_DROPOUT_SAVING["intermediate"] * shape.intermediate)
+    if compiled:
+        per_layer *= COMPILED_ACTIVATION_SHARE
     backward = BACKWARD_BYTES["hidden"] * shape.hidden + BACKWARD_BYTES["intermediate"] * shape.intermediate
-    # The embedding output and the final norm's input/output (fp32 after prepare_model_for_kbit_training).
-    outside_layers = 3 * 4 * shape.hidden
+    residual = 2 if _is_16bit(frozen_dtype) else 4
+    # The embedding output and the final norm's input/output.
+    outside_layers = 3 * residual * shape.hidden
     if gradient_checkpointing:
-        # Each layer keeps only its fp32 input; one layer at a time is recomputed in full during the backward.
-        return shape.layers * 4 * shape.hidden + per_layer + backward + outside_layers
+        # A checkpointed layer keeps only its input, and one at a time is recomputed in full during the backward;
+        # with checkpoint_every n, only every n-th layer is checkpointed (transformers' every_n_layers) and the
+        # others keep all their activations.
+        checkpointed = math.ceil(shape.layers / max(1, checkpoint_every))
+        kept = min(checkpointed, OFFLOAD_RESIDENT_LAYERS) if offload_activations else checkpointed
+        return ((shape.layers - checkpointed) * per_layer + kept * residual * shape.hidden + per_layer + backward
+                + outside_layers)
     return shape.layers * per_layer + backward + outside_layers
 
 
@@ -275,7 +304,8 @@ def estimate(shape: ModelShape, *, max_length: int, micro_batch: int, lora_rank:
              lora_targets: str | list[str] = "all-linear", gradient_checkpointing: bool = True,
              optimizer: str = "paged_adamw_8bit", compute_dtype: str = "bfloat16", device: str = "cuda",
              world_size: int = 1, double_quant: bool = True, loss_head: str = "chunked",
-             shards: int = 1, lora_kernel: str = "peft") -> MemoryEstimate:
+             shards: int = 1, lora_kernel: str = "peft", frozen_dtype: str = "float32",
+             offload_activations: bool = False, compiled: bool = False, checkpoint_every: int = 1) -> MemoryEstimate:
     """Peak memory of one training step at micro_batch rows of max_length tokens (every row padded to it: the
     worst batch of a run decides whether it fits).
 
@@ -291,8 +321,9 @@ def estimate(shape: ModelShape, *, max_length: int, micro_batch: int, lora_rank:
     weights_4bit = shape.quantized_params * NF4_BYTES_PER_PARAM[double_quant]
     if lora_kernel == "fused" and double_quant and shards == 1:
         weights_4bit += shape.quantized_params * FUSED_ABSMAX_BYTES_PER_PARAM
-    # prepare_model_for_kbit_training casts every non-4-bit parameter to fp32, whatever dtype it loaded in.
-    other_weights = shape.other_params * 4
+    # frozen_dtype float32: peft's prepare_model_for_kbit_training casts every non-4-bit parameter to fp32, whatever
+    # dtype it loaded in; 16-bit: freetune keeps them as loaded (Plan.frozen_dtype).
+    other_weights = shape.other_params * (2 if _is_16bit(frozen_dtype) else 4)
     trainable = shape.lora_params(lora_rank, lora_targets)
     # fp32 LoRA weights and fp32 gradients; under DDP the gradient buckets hold one more copy of the gradients.
     lora = trainable * (4 + 4 + (4 if world_size > 1 else 0))
@@ -306,7 +337,10 @@ def estimate(shape: ModelShape, *, max_length: int, micro_batch: int, lora_rank:
         optimizer_state = optimizer_state / shards
     activations = tokens * activation_bytes_per_token(shape, lora_rank=lora_rank, lora_targets=lora_targets,
                                                       gradient_checkpointing=gradient_checkpointing,
-                                                      compute_dtype=compute_dtype)
+                                                      compute_dtype=compute_dtype, frozen_dtype=frozen_dtype,
+                                                      offload_activations=offload_activations,
+                                                      lora_kernel=lora_kernel, compiled=compiled,
+                                                      checkpoint_every=checkpoint_every)
     head = loss_head_bytes(shape, tokens, compute_dtype=compute_dtype, loss_head=loss_head)
     allocated = weights_4bit + other_weights + lora + optimizer_state + activations + head
     on_gpu = device == "cuda"
@@ -314,7 +348,8 @@ def estimate(shape: ModelShape, *, max_length: int, micro_batch: int, lora_rank:
     settings = dict(model=shape.name, max_length=max_length, micro_batch=micro_batch, lora_rank=lora_rank,
                     lora_targets=lora_targets, gradient_checkpointing=gradient_checkpointing, optimizer=optimizer,
                     compute_dtype=compute_dtype, device=device, world_size=world_size, loss_head=loss_head,
-                    shards=shards, lora_kernel=lora_kernel)
+                    shards=shards, lora_kernel=lora_kernel, frozen_dtype=frozen_dtype,
+                    offload_activations=offload_activations, compiled=compiled, checkpoint_every=checkpoint_every)
     return MemoryEstimate(
         weights_4bit_gib=weights_4bit / GIB, other_weights_gib=other_weights / GIB, lora_gib=lora / GIB,
         optimizer_gib=optimizer_state / GIB, activations_gib=activations / GIB, loss_head_gib=head / GIB,
@@ -322,22 +357,17 @@ def estimate(shape: ModelShape, *, max_length: int, micro_batch: int, lora_rank:
         trainable_params=trainable, settings=settings)
 
 
-def fit(shape: ModelShape, budget_gib: float, *, max_length: int = 1024, lora_rank: int = 16,
-        lora_targets: str | list[str] = "all-linear", gradient_checkpointing: bool = True,
-        optimizer: str = "paged_adamw_8bit", compute_dtype: str = "bfloat16", device: str = "cuda",
-        world_size: int = 1, max_micro_batch: int = 16, min_length: int = 256,
-        loss_head: str = "chunked", shards: int = 1, lora_kernel: str = "peft") -> tuple[int, int, MemoryEstimate, str]:
+def fit(shape: ModelShape, budget_gib: float, *, max_length: int = 1024, max_micro_batch: int = 16,
+        min_length: int = 256, **settings) -> tuple[int, int, MemoryEstimate, str]:
     """The largest micro-batch (a power of two up to max_micro_batch) that fits budget_gib at max_length.
 
+    settings: estimate()'s other keywords (lora_rank, gradient_checkpointing, optimizer, compute_dtype, ...).
     Returns (micro_batch, max_length, estimate, reason). If even one row of max_length tokens does not fit,
     the longest max_length (halving, not below min_length) at which one row fits is returned instead, and the
     reason says so; if nothing fits, (1, max_length) with `estimate.fits` False and a reason saying what to change.
     """
     def at(batch: int, length: int) -> MemoryEstimate:
-        est = estimate(shape, max_length=length, micro_batch=batch, lora_rank=lora_rank, lora_targets=lora_targets,
-                       gradient_checkpointing=gradient_checkpointing, optimizer=optimizer,
-                       compute_dtype=compute_dtype, device=device, world_size=world_size, loss_head=loss_head,
-                       shards=shards, lora_kernel=lora_kernel)
+        est = estimate(shape, max_length=length, micro_batch=batch, **settings)
         est.budget_gib = budget_gib
         return est
 

@@ -121,6 +121,8 @@ def load_base_model(model_id: str, plan: Plan, *, local_rank: int = 0, gradient_
         # _load_fsdp_rank0_only), and FSDP then moves it to the GPU one wrapped decoder layer at a time, keeping
         # 1/N of each. device_map must not name a GPU here.
         kwargs["device_map"] = {"": "cpu"}
+    elif plan.device == "cpu":
+        kwargs["device_map"] = {"": "cpu"}  # bitsandbytes would put a 4-bit model on a GPU that a CPU plan ignores
     elif plan.device == "cuda":
         # One full copy per process on its own GPU (DDP). Never "auto"/"balanced": those split the layers
         # across GPUs, which runs them one after another, slower than one GPU.
@@ -133,10 +135,11 @@ def load_base_model(model_id: str, plan: Plan, *, local_rank: int = 0, gradient_
     except OSError as exc:
         raise FreetuneError(f"Could not load model {model_id!r}: {str(exc)[:300]}. Check `model_id`, that this "
                             f"machine is online, and HF_TOKEN for gated models.") from exc
-    if fsdp:
+    if fsdp or (quantize and plan.frozen_dtype != "float32"):
         # Not prepare_model_for_kbit_training: its fp32 upcast of norms and embeddings would mix dtypes inside
-        # a wrapped layer, which FSDP cannot flatten. The rest of what it does, done here: freeze the base, let
-        # gradients reach the checkpointed layers' inputs.
+        # a wrapped layer, which FSDP cannot flatten, and on a GPU only doubles what frozen weights and the residual
+        # stream take (Plan.frozen_dtype). The rest of what it does, done here: freeze the base, let gradients reach
+        # the checkpointed layers' inputs.
         for param in model.parameters():
             param.requires_grad_(False)
         model.enable_input_require_grads()

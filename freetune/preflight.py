@@ -231,6 +231,10 @@ class Plan:
     lora_kernel: str = "peft"   # "fused" (freetune.kernels: one autograd node per 4-bit LoRA layer) | "peft"
     optimizer: str = "paged_adamw_8bit"  # the Trainer's `optim` (chosen by memory when "auto")
     compile: bool = False       # torch.compile each decoder layer (freetune.kernels.compile_layers)
+    frozen_dtype: str = "float32"  # the frozen non-4-bit weights (embeddings, norms, lm_head) and residual stream
+    offload_activations: bool = False  # checkpointed layers' inputs kept in pinned host memory, not on the GPU
+    loss_tile_tokens: int = 0   # tokens per tile of TRL's chunked loss head (0: TRL's own, 4,096)
+    checkpoint_every: int = 1   # with checkpointing on, every n-th decoder layer is checkpointed (1: all of them)
     memory: MemoryEstimate | None = None
     machine: str = ""
     warnings: list = field(default_factory=list)
@@ -267,13 +271,14 @@ class Plan:
              r.get("layout", "")),
             ("compute dtype", self.compute_dtype, r.get("compute_dtype", "")),
             ("mixed precision", self.mixed_precision, r.get("mixed_precision", "")),
-            ("base weights", f"4-bit NF4, rest {self.load_dtype}", r.get("load_dtype", "")),
+            ("base weights", f"4-bit NF4, rest {self.frozen_dtype}",
+             "; ".join(filter(None, (r.get("frozen_dtype", ""), r.get("load_dtype", ""))))),
             ("LoRA weights", self.lora_dtype, r.get("lora_dtype", "")),
             ("attention", self.attn_implementation, r.get("attention", "")),
             ("batch", batch, r.get("batch", "")),
             ("batching", self.batching, r.get("batching", "")),
             ("sampler", self.sampler, r.get("sampler", "")),
-            ("checkpointing", "on" if self.gradient_checkpointing else "off", r.get("gradient_checkpointing", "")),
+            ("checkpointing", self.checkpointing_text(), r.get("gradient_checkpointing", "")),
             ("LoRA kernel", self.lora_kernel, r.get("lora_kernel", "")),
             ("optimizer", self.optimizer, r.get("optimizer", "")),
             ("compile", "per decoder layer" if self.compile else "off", r.get("compile", "")),
@@ -283,6 +288,13 @@ class Plan:
             budget = f" of {self.memory.budget_gib:.1f}" if self.memory.budget_gib is not None else ""
             rows.append(("memory", f"~{self.memory.total_gib:.1f}{budget} GiB", r.get("memory", "")))
         return rows
+
+    def checkpointing_text(self) -> str:
+        if not self.gradient_checkpointing:
+            return "off"
+        if self.checkpoint_every > 1:
+            return f"every {self.checkpoint_every} layers"
+        return "on, offloaded to host memory" if self.offload_activations else "on"
 
     def table(self) -> str:
         """The plan as a short plain-text table, then its warnings."""
@@ -455,6 +467,7 @@ def make_plan(hardware: Hardware | None = None, *, model_shape: ModelShape | str
     policy, reasons_compute, warnings = choose_policy(hardware, _resolve_policy(force_policy, precision))
     compute_dtype, mixed, reasons = choose_precision(policy)
     reasons["compute_dtype"] = reasons_compute
+    frozen_dtype, reasons["frozen_dtype"] = choose_frozen_dtype(policy, compute_dtype)
     attention, reasons["attention"] = choose_attention(hardware, policy)
     if layout not in LAYOUTS:
         raise FreetuneError(f"layout must be one of {LAYOUTS}, not {layout!r}.")
@@ -499,15 +512,17 @@ def make_plan(hardware: Hardware | None = None, *, model_shape: ModelShape | str
 
     from freetune.kernels import choose_compile, choose_lora_kernel
 
-    # Chosen before the memory check (the fused layers keep fp32 absmax values) and again below if FSDP takes over.
+    # Chosen before the memory check (the fused layers keep fp32 absmax values, compiled layers save less) and again
+    # below if FSDP takes over.
     lora_kernel, reasons["lora_kernel"] = choose_lora_kernel(device, layout)
+    compiled, reasons["compile"] = choose_compile(compile, device, layout)
     memory = None
     chosen_batch, chosen_length = micro_batch or 1, max_length
     warnings_before_memory = len(warnings)
     if shape is not None and budget:
         common = dict(lora_rank=lora_rank, lora_targets=lora_targets, gradient_checkpointing=gradient_checkpointing,
                       optimizer=optimizer, compute_dtype=compute_dtype, device=device, world_size=world_size,
-                      loss_head=loss_head, lora_kernel=lora_kernel)
+                      loss_head=loss_head, lora_kernel=lora_kernel, frozen_dtype=frozen_dtype, compiled=compiled)
         # Powers of two that divide the rows per step, so the accumulation stays a whole number.
         cap = max(b for b in (1, 2, 4, 8, 16) if rows_per_gpu_step % b == 0)
         if checkpointing_auto:
@@ -524,6 +539,14 @@ def make_plan(hardware: Hardware | None = None, *, model_shape: ModelShape | str
                 if gradient_checkpointing else
                 f"off: {whole} x {max_length} tokens fit without it (~{bare.total_gib:.1f} of {budget:.1f} GiB), "
                 f"which saves recomputing every layer in the backward (~30% of a step)")
+            if gradient_checkpointing and device == "cuda" and layout != "fsdp":
+                every, why = choose_checkpoint_every(shape, budget, max_length, whole, common)
+                if every > 1:
+                    common["checkpoint_every"] = every
+                    reasons["gradient_checkpointing"] = why
+        if gradient_checkpointing and device == "cuda" and layout != "fsdp" and common.get("checkpoint_every", 1) == 1:
+            offload, reasons["offload"] = choose_offload(shape, budget, max_length, micro_batch or cap, common)
+            common["offload_activations"] = offload
         if micro_batch is None:
             chosen_batch, chosen_length, memory, why = fit(shape, budget, max_length=max_length,
                                                            max_micro_batch=cap, **common)
@@ -552,6 +575,8 @@ def make_plan(hardware: Hardware | None = None, *, model_shape: ModelShape | str
         one_row.budget_gib = budget
         if layout == "fsdp" or (asked == "auto" and layout == "ddp" and world_size > 1 and not one_row.fits):
             common["shards"] = max(world_size, 1)
+            common["offload_activations"] = False  # FSDP's own path; not combined with TRL's offloading here
+            common["compiled"] = False  # FSDP runs eagerly (kernels.choose_compile)
             del warnings[warnings_before_memory:]  # they were about the unsharded layout
             if micro_batch is None:
                 chosen_batch, chosen_length, memory, why = fit(shape, budget, max_length=max_length,
@@ -574,7 +599,7 @@ def make_plan(hardware: Hardware | None = None, *, model_shape: ModelShape | str
         reasons["batch"] = ("as given" if micro_batch else "1 (no model shape to size it against: give "
                             "model_shape to let the plan choose)")
     grad_accum_out = max(1, rows_per_gpu_step // chosen_batch)
-    from freetune.fast import VARLEN_ATTENTION, choose_batching, choose_sampler
+    from freetune.fast import VARLEN_ATTENTION, VARLEN_KERNEL_NAMES, choose_batching, choose_sampler, varlen_backend
 
     batching, batch_attention, reasons["batching"] = choose_batching(
         policy, [g.capability for g in hardware.gpus], chosen_batch)
@@ -582,8 +607,9 @@ def make_plan(hardware: Hardware | None = None, *, model_shape: ModelShape | str
     sampler, reasons["sampler"] = choose_sampler(batching, max(world_size, hardware.torchrun_world_size or 1))
     if batch_attention == VARLEN_ATTENTION:
         attention = VARLEN_ATTENTION
-        reasons["attention"] = ("padding-free rows through PyTorch's variable-length FlashAttention "
-                                "(torch.nn.attention.varlen); anything else through sdpa")
+        reasons["attention"] = (f"padding-free rows through PyTorch's variable-length "
+                                f"{VARLEN_KERNEL_NAMES.get(varlen_backend(), 'attention')} kernel (freetune.fast); "
+                                f"anything else through sdpa")
     if world_size > 1:
         reasons["batch"] += f"; {world_size} GPUs x {chosen_batch} x {grad_accum_out} rows per optimizer step"
     reasons["max_length"] = ("as given" if chosen_length == max_length else f"lowered from {max_length} to fit")
@@ -591,12 +617,65 @@ def make_plan(hardware: Hardware | None = None, *, model_shape: ModelShape | str
     lora_kernel, reasons["lora_kernel"] = choose_lora_kernel(device, layout)
     compiled, reasons["compile"] = choose_compile(compile, device, layout)
 
+    offload = bool(memory is not None and memory.settings.get("offload_activations") and gradient_checkpointing)
+    if offload:
+        reasons["gradient_checkpointing"] += f"; {reasons['offload']}"
     return Plan(device=device, compute_dtype=compute_dtype, mixed_precision=mixed, attn_implementation=attention,
                 reasons=reasons, layout=layout, world_size=world_size, micro_batch=chosen_batch,
                 grad_accum=grad_accum_out, max_length=chosen_length, lora_dtype="float32", policy=policy,
                 memory=memory, machine=machine, warnings=warnings, batching=batching, sampler=sampler,
                 gradient_checkpointing=gradient_checkpointing, lora_kernel=lora_kernel, optimizer=optimizer,
-                compile=compiled)
+                compile=compiled, frozen_dtype=frozen_dtype, offload_activations=offload,
+                checkpoint_every=memory.settings.get("checkpoint_every", 1) if memory is not None else 1)
+
+
+def choose_frozen_dtype(policy: str, compute_dtype: str) -> tuple[str, str]:
+    """(dtype of the frozen non-4-bit weights, why)."""
+    if policy == "cpu":
+        return "float32", "a CPU run is a check: fp32 as peft's prepare_model_for_kbit_training leaves them"
+    return compute_dtype, (f"the frozen embeddings, norms and head stay {compute_dtype}, as loaded: nothing trains "
+                           f"them, so peft's fp32 upcast would only double their memory and that of the residual "
+                           f"stream every layer saves")
+
+
+# Partial checkpointing keeps every other layer's activations, sized from an estimate: it must fit with this margin.
+PARTIAL_CHECKPOINT_MARGIN = 1.10
+
+
+def choose_checkpoint_every(shape, budget_gib: float, max_length: int, micro_batch: int,
+                            common: dict) -> tuple[int, str]:
+    """(n, why): checkpoint only every n-th decoder layer (transformers' every_n_layers), the largest n whose estimate
+    fits the budget with PARTIAL_CHECKPOINT_MARGIN to spare; 1 (every layer) when none does. The layers left out keep
+    their activations and skip the recompute: memory the card has spare, spent on speed."""
+    settings = {**common, "gradient_checkpointing": True}
+    for every in (8, 4, 3, 2):
+        est = estimate(shape, max_length=max_length, micro_batch=micro_batch, **settings, checkpoint_every=every)
+        if est.total_gib * PARTIAL_CHECKPOINT_MARGIN <= budget_gib:
+            checkpointed = -(-shape.layers // every)
+            return every, (f"on for {checkpointed} of {shape.layers} layers (every {every}): all of them off would "
+                           f"need more than {budget_gib:.1f} GiB; this way ~{est.total_gib:.1f} GiB, and only "
+                           f"those layers are recomputed in the backward")
+    return 1, ""
+
+
+# Checkpointed layers' inputs are offloaded to host memory when they take more than this share of the memory budget.
+OFFLOAD_MIN_SHARE = 0.10
+
+
+def choose_offload(shape, budget_gib: float, max_length: int, micro_batch: int, common: dict) -> tuple[bool, str]:
+    """(offload the checkpointed layers' inputs to pinned host memory?, why). The copies overlap with the layers'
+    compute (TRL's activation offloading, on a stream of its own); worth it when those inputs are a real share of
+    the budget: what they free goes to a larger micro-batch, longer rows, or headroom on a small card."""
+    settings = {**common, "gradient_checkpointing": True}
+    kept = estimate(shape, max_length=max_length, micro_batch=micro_batch, **settings)
+    offloaded = estimate(shape, max_length=max_length, micro_batch=micro_batch,
+                         **{**settings, "offload_activations": True})
+    freed = kept.activations_gib - offloaded.activations_gib
+    if freed > OFFLOAD_MIN_SHARE * budget_gib:
+        return True, (f"the layers' saved inputs ({freed:.2f} GiB at {micro_batch} x {max_length} tokens) wait in "
+                      f"pinned host memory until their backward, copied alongside the compute")
+    return False, (f"the layers' saved inputs stay on the GPU ({freed:.2f} GiB, under {OFFLOAD_MIN_SHARE:.0%} of "
+                   f"{budget_gib:.1f} GiB)")
 
 
 # Fused AdamW's fp32 state (8 bytes per LoRA weight, 2 for paged 8-bit) is taken when the difference stays under

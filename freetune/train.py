@@ -99,7 +99,10 @@ def make_config(paths: Paths, plan: Plan, *, max_steps: int, micro_batch: int, g
         bf16=plan.mixed_precision == "bf16",
         use_cpu=plan.device == "cpu",
         gradient_checkpointing=gradient_checkpointing,
-        gradient_checkpointing_kwargs={"use_reentrant": False},
+        # every_n_layers: only every n-th layer is checkpointed where the plan found room for the others
+        # (preflight.choose_checkpoint_every); the Trainer passes it to gradient_checkpointing_enable.
+        gradient_checkpointing_kwargs={"use_reentrant": False, **(
+            {"every_n_layers": plan.checkpoint_every} if plan.checkpoint_every > 1 else {})},
         max_length=max_length,
         # Compiled layers guard on the token count's divisibility by 8 and recompile when it changes; padded
         # batches are padded to a multiple of 8 for that (padding-free ones get fast.AlignedPaddingFree's row).
@@ -134,6 +137,9 @@ def make_config(paths: Paths, plan: Plan, *, max_steps: int, micro_batch: int, g
         # Similar lengths in a padded batch: little padding where rows cannot be concatenated (freetune.fast).
         # "rank_balanced" is freetune's own (fast.RankBalancedSampler), put in by the trainer class.
         train_sampling_strategy="group_by_length" if plan.sampler == "length_grouped" else "random",
+        # The checkpointed layers' inputs wait in pinned host memory (TRL's activation offloading, copies on a
+        # stream of their own) when the plan says they take a real share of the GPU (preflight.choose_offload).
+        activation_offloading=plan.offload_activations and gradient_checkpointing,
         **fsdp_settings(plan),
         **tracking.sft_fields(paths, report_to=report_to, eval_steps=eval_steps, micro_batch=micro_batch),
     )
@@ -141,6 +147,8 @@ def make_config(paths: Paths, plan: Plan, *, max_steps: int, micro_batch: int, g
     config.freetune_sampler = plan.sampler  # read by fast.trainer_class
     config.freetune_lora_kernel = plan.lora_kernel  # read by train(), once the adapter is attached
     config.freetune_compile = plan.compile
+    config.freetune_policy = plan.policy  # which variable-length attention kernels train() may probe
+    config.freetune_loss_tile_tokens = plan.loss_tile_tokens
     if plan.device == "cuda" and torch.cuda.device_count() > 1 and "LOCAL_RANK" not in os.environ:
         # One process that sees two GPUs makes the Trainer wrap the model in nn.DataParallel, which SFTTrainer
         # refuses. Inline training uses one GPU; the Kaggle notebook's torchrun cell uses them all.
@@ -264,9 +272,11 @@ def train(model, tokenizer, train_dataset, config, *, paths: Paths, eval_dataset
     if getattr(config, "freetune_lora_kernel", "peft") == "fused":
         fused, seen = kernels.use_fused_lora(trainer.model)
         print0(f"LoRA kernel: fused on {fused} of {seen} LoRA layers (freetune.kernels).")
+    set_loss_tile_tokens(getattr(config, "freetune_loss_tile_tokens", 0))
+    if torch.cuda.is_available() and getattr(config, "freetune_batching", "") == "padding_free":
+        # Probed now, eagerly, in this process (a torchrun rank too): the attention layers only read the result.
+        fast.varlen_works(torch.cuda.current_device(), getattr(config, "freetune_policy", "ampere"))
     if getattr(config, "freetune_compile", False):
-        if torch.cuda.is_available():  # probed now, eagerly: the compiled attention layers only read the result
-            fast.varlen_backend(torch.cuda.current_device())
         compiled = kernels.compile_layers(trainer.model)
         print0(f"torch.compile: {compiled} decoder layers; the first steps are slower while they compile.")
     print0(f"Checkpoints: every {config.save_steps} steps, the last {config.save_total_limit} kept, in "
@@ -331,6 +341,16 @@ def train(model, tokenizer, train_dataset, config, *, paths: Paths, eval_dataset
     if WriteTracer.active is not None:
         WriteTracer.active.report(context().rank, paths.run_dir)
     return summary
+
+
+def set_loss_tile_tokens(tokens: int) -> None:
+    """Tokens per tile of TRL's chunked loss head (trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE, read at every call;
+    written against TRL 1.16). Each tile holds tokens x 32,768 logits in the compute dtype: 256 MiB at TRL's 4,096
+    tokens, a real share of a 4 GB card; smaller tiles only mean more, smaller matmuls. 0 keeps TRL's."""
+    if tokens:
+        import trl.kernels.chunked_logprob as chunked
+
+        chunked.TOKEN_CHUNK_SIZE = int(tokens)
 
 
 def latest_checkpoint(checkpoints_dir: str) -> str | None:

@@ -9,6 +9,9 @@ same LoRA (rank 16, all linear layers, NF4 base), three runs per mode:
               paged 8-bit AdamW and TRL's own per-step metrics;
   freetune    freetune's default path: make_plan (micro-batch, checkpointing, batching, attention, LoRA kernel,
               compile, optimizer) -> freetune.model -> freetune.train.train.
+and, with --runs ...,unsloth,unsloth_nockpt[,unsloth_padded], the peer users would pick (issue 25): Unsloth at its
+own best settings (scripts/bench_unsloth.py says which), with its offloaded checkpointing or none, in a process of its
+own on the Unsloth site $FREETUNE_PEER_SITE (default /tmp/usite; scripts/build_peer_wheels.sh makes its wheels).
 Modes (each run in fresh processes, one at a time, so the memory cap, the peak counters and the host's CPUs
 belong to one run; --parallel runs two single-GPU runs at once, one per GPU, faster but skewed):
   uncapped    Qwen2.5-1.5B shape, bf16, the whole GPU;
@@ -22,7 +25,8 @@ Reported per run: non-padding tokens/s (tokens of real rows through the model pe
 optimizer-step time, peak allocated and reserved GiB (torch's counters, rank 0), and MFU: 6N and 4N FLOPs per
 token (N = the matmul weights a token passes: decoder linear layers + lm_head; 4N is what LoRA on a frozen base
 needs, no weight gradients; attention's own FLOPs and checkpointing's recompute are not counted) against the
-bf16 matmul rate this script measures on the GPU.
+bf16 matmul rate this script measures on the GPU. With the peer: freetune's tokens/s over the fastest Unsloth run
+of the mode that fits (x Unsloth), and issue 25's targets, met or not, under the table.
 
 Usage (GPU machine):  python scripts/bench.py --out reports/gpu/bench.json   (~17 min on two H200s, the compiled
                       runs compile for ~100 s each; split it to fit 10-minute calls: --modes uncapped --no-ddp,
@@ -61,6 +65,14 @@ MODES = {
     "4gb": dict(shape="tinyllama-1.1b", cap_gib=4.0, precision="fp16"),
 }
 RUNS = ("free_tier", "plain_best", "freetune")
+# Unsloth with its offloaded checkpointing, without checkpointing (both padding-free), and (not asked for in issue 25,
+# the other candidate for its fastest) padded batches through its per-layer compile, no checkpointing.
+PEER_RUNS = ("unsloth", "unsloth_nockpt", "unsloth_padded")
+PEER_WORKER = REPO / "scripts" / "bench_unsloth.py"
+PEER_SITE_DEFAULT = "/tmp/usite"
+# Issue 25's targets: freetune's tokens/s over Unsloth's, per mode (see peer_targets).
+TARGET_X = {"4gb": 1.3, "t4": 1.3, "uncapped": 1.8}
+LEAN_X = 1.3
 # --variants keys that are not plan fields: experiments on top of freetune's path. The DDP ones change nothing in
 # one process, so a variant made only of them runs under DDP only (compared with freetune's own 1-GPU run).
 EXPERIMENTS = ("liger", "cpp_wrapper", "dense_head", "no_packed_check", "pin_cores", "ddp_split",
@@ -300,7 +312,7 @@ def run_one(job: dict) -> dict:
                      grad_accum=ROWS_PER_STEP, lora_rank=LORA_RANK, precision=job["precision"],
                      memory_budget_gib=budget)
     plain = dict(batching="padded", sampler="random", attn_implementation="sdpa", lora_kernel="peft", compile=False,
-                 optimizer="paged_adamw_8bit",
+                 optimizer="paged_adamw_8bit", frozen_dtype="float32", offload_activations=False,
                  reasons={**plan.reasons, "batching": "plain stack: padded to the longest row of the batch",
                           "attention": "plain stack: sdpa", "sampler": "plain stack: random order"})
     if job["run"] == "free_tier":
@@ -327,6 +339,14 @@ def run_one(job: dict) -> dict:
     model, trainable, _ = freetune.model.attach_lora(model, rank=LORA_RANK, alpha=2 * LORA_RANK, dropout=0.05,
                                                      seed=0)
     total_steps = warmup + measured
+    most_tokens = [0]  # the largest micro-batch's tokens (padding included): what the memory estimate sizes
+
+    def count_tokens(module, args, kwargs):
+        ids = kwargs.get("input_ids")
+        if ids is not None and module.training:
+            most_tokens[0] = max(most_tokens[0], ids.numel())
+
+    model.register_forward_pre_hook(count_tokens, with_kwargs=True)
     config = freetune.train.make_config(
         paths, plan, max_steps=total_steps + (1 if job.get("profile") else 0), micro_batch=plan.micro_batch,
         grad_accum=plan.grad_accum,
@@ -395,6 +415,11 @@ def run_one(job: dict) -> dict:
     # the report keeps rank 0's summary, the log has every rank's tables.
     profiler = _step_profiler_class()(total_steps, cuda, ctx.rank) if job.get("profile") else None
     callbacks = ddp_experiment_callbacks + [timer] + ([profiler] if profiler is not None else [])
+    if job["precision"] == "fp16" and cuda:
+        # The T4's SDPA kernels (memory-efficient, math), as the peer is held to (bench_unsloth.t4_kernels): this
+        # worker process runs one configuration, so the switch is process-wide.
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_cudnn_sdp(False)
     if job["run"].startswith("freetune"):
         freetune.train.train(model, tokenizer, dataset, config, paths=paths, resume=False, extra_callbacks=callbacks)
         history = json.loads((run_dir / "reports" / "log_history.json").read_text()) if ctx.is_main else []
@@ -426,6 +451,12 @@ def run_one(job: dict) -> dict:
         "losses": [round(h["loss"], 4) for h in history if "loss" in h],
         "lora_kernel": plan.lora_kernel, "compile": plan.compile, "optimizer": plan.optimizer,
         "sampler": plan.sampler, "logging_steps": config.logging_steps,
+        "frozen_dtype": plan.frozen_dtype, "offload_activations": plan.offload_activations,
+        "max_micro_batch_tokens": most_tokens[0],
+        # The plan's estimate of this run's peak (every row at max_length), and re-made at the largest micro-batch
+        # this run really saw: how far the memory model is from the measured peak.
+        "estimate_gib": round(plan.memory.peak_allocated_gib, 3) if plan.memory is not None else None,
+        "estimate_at_seen_tokens_gib": seen_estimate(plan, shape, most_tokens[0]),
     }
     if plan.compile:
         # What the compiled layers became: one graph per layer and no break is the fast shape; breaks or graphs per
@@ -449,6 +480,19 @@ def run_one(job: dict) -> dict:
         result["peak_rss_gib"] = round(freetune.train.memory_gib()[1], 3)
     freetune.distributed.cleanup()
     return result
+
+
+def seen_estimate(plan, shape: ModelShape, tokens: int) -> float | None:
+    """freetune.memory.estimate with the plan's settings at `tokens` tokens in one micro-batch."""
+    from freetune.memory import estimate
+
+    if plan.memory is None or not tokens:
+        return None
+    settings = {k: v for k, v in plan.memory.settings.items() if k not in ("model", "max_length", "micro_batch")}
+    settings.update(gradient_checkpointing=plan.gradient_checkpointing, optimizer=plan.optimizer,
+                    lora_kernel=plan.lora_kernel, frozen_dtype=plan.frozen_dtype,
+                    offload_activations=plan.offload_activations)
+    return round(estimate(shape, max_length=tokens, micro_batch=1, **settings).peak_allocated_gib, 3)
 
 
 def apply_experiments(experiments: dict, shape: ModelShape, local_rank: int) -> None:
@@ -571,13 +615,36 @@ def launch(job: dict, gpus: list[int], log):
     job_file = Path(job["work"]) / f"job-{job['mode']}-{job['run']}-{len(gpus)}.json"
     result_file = job_file.with_suffix(".result.json")
     job_file.write_text(json.dumps({**job, "result": str(result_file)}))
+    result_file.unlink(missing_ok=True)  # a warm machine's last result is not this run's
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus)), "PYTHONUNBUFFERED": "1"}
-    if len(gpus) > 1:
+    cwd = None
+    if job["run"] in PEER_RUNS:  # in the work folder: Unsloth writes generated code where it runs
+        (cmd, env), cwd = peer_command(job_file, env), job["work"]
+    elif len(gpus) > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={len(gpus)}",
                __file__, "--worker", str(job_file)]
     else:
         cmd = [sys.executable, __file__, "--worker", str(job_file)]
-    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), result_file
+    return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT), result_file
+
+
+def peer_site() -> Path:
+    """The folder the Unsloth peer imports from ($FREETUNE_PEER_SITE, default /tmp/usite): Unsloth with its own pins
+    (trl <= 1.15, datasets < 5), never freetune's site; an error that says how to make it where it is missing."""
+    site = Path(os.environ.get("FREETUNE_PEER_SITE", PEER_SITE_DEFAULT))
+    if not (site / "unsloth" / "__init__.py").is_file():
+        raise SystemExit(
+            f"The Unsloth peer runs ({', '.join(PEER_RUNS)}) import Unsloth from a site of their own, and {site} holds "
+            f"none. Build its wheels on a machine with PyPI (bash scripts/build_peer_wheels.sh writes .uwhl/), carry "
+            f".uwhl/ to the GPU machine and install them there: python3 -m pip install -q --no-index --no-deps "
+            f"--target {site} .uwhl/*.whl (or set FREETUNE_PEER_SITE to the folder that holds them).")
+    return site
+
+
+def peer_command(job_file: Path, env: dict) -> tuple[list[str], dict]:
+    """The peer worker's command and environment: a script that imports nothing from freetune, with the peer's site
+    alone on PYTHONPATH (in place of freetune's), so that Unsloth's trl and datasets are the ones imported."""
+    return [sys.executable, str(PEER_WORKER), str(job_file)], {**env, "PYTHONPATH": str(peer_site())}
 
 
 def main(argv=None) -> int:
@@ -599,10 +666,12 @@ def main(argv=None) -> int:
                         help="single-GPU runs side by side, one per GPU: about half the wall time, but the runs then "
                              "share the host's CPUs and their rates (and the DDP baseline) are skewed")
     parser.add_argument("--spawn", action="store_true", help="--tiny in fresh processes, as on a GPU machine")
-    parser.add_argument("--runs", default=",".join(RUNS), help="comma-separated subset of: " + ", ".join(RUNS))
+    parser.add_argument("--runs", default=",".join(RUNS),
+                        help="comma-separated subset of: " + ", ".join(RUNS + PEER_RUNS) + " (unsloth...: the peer, "
+                             "see the top)")
     parser.add_argument("--steps", type=int, default=10,
-                        help="measured steps of the plain_best and freetune runs (more steps, less noise from the "
-                             "rows' mix of lengths; each step ~0.5 s on an H200)")
+                        help="measured steps of the plain_best, freetune and peer runs (more steps, less noise from "
+                             "the rows' mix of lengths; each step ~0.5 s on an H200)")
     parser.add_argument("--variants", default="",
                         help="extra freetune runs with plan choices changed, ';'-separated 'label:field=value,...' "
                              "(e.g. 'eager:compile=false;peft:lora_kernel=peft,optimizer=paged_adamw_8bit'); also the "
@@ -621,6 +690,11 @@ def main(argv=None) -> int:
                              "kernels, top ops in the log")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    unknown = set(args.runs.split(",")) - set(RUNS + PEER_RUNS)
+    if unknown:
+        parser.error(f"--runs: no run called {', '.join(sorted(unknown))}; pick from {', '.join(RUNS + PEER_RUNS)}")
+    if set(args.runs.split(",")) & set(PEER_RUNS):
+        peer_site()  # before any model is built: the peer's site must be there
 
     if args.worker:
         job = json.loads(Path(args.worker).read_text())
@@ -645,6 +719,7 @@ def main(argv=None) -> int:
         # Warm-up: the first steps grow the allocator to the batch shapes (packed lengths vary every step).
         lengths, max_length, steps = (300, 1200), 1024, dict(free_tier=(1, 3), plain_best=(3, args.steps),
                                                              freetune=(3, args.steps))
+    steps.update({peer: steps["freetune"] for peer in PEER_RUNS})  # the same rows measured as freetune's
     peak = measure_matmul_tflops(device)
     report = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "gpus": gpus,
               "torch": torch.__version__, "matmul_tflops": {k: round(v, 3) for k, v in peak.items()},
@@ -662,13 +737,14 @@ def main(argv=None) -> int:
         rows_file = work / f"rows-{shape.name}.json"
         if not rows_file.exists():
             rows_file.write_text(json.dumps(synthetic_rows(256, shape.vocab, lengths)))
-        runs = [(run, {}) for run in RUNS if run in args.runs.split(",")]
+        runs = [(run, {}) for run in RUNS + PEER_RUNS if run in args.runs.split(",")]
         runs += [(f"freetune[{label}]", overrides) for label, overrides in parse_variants(args.variants)]
         for run, overrides in runs:
             warmup, measured = (-(-n // every) * every for n in steps[base_run(run)])
             jobs.append(dict(mode=mode, run=run, shape=spec["shape"], cap_gib=spec["cap_gib"],
                              precision=spec["precision"], max_length=max_length, warmup=warmup, steps=measured,
                              model=str(model_dir), tokenizer=str(tokenizer_dir), rows=str(rows_file),
+                             model_shape=shape.name,
                              work=str(work), world=1, batching="padding_free" if args.tiny else None,
                              overrides=overrides, profile=args.profile, logging_steps=every))
     if device == "cuda":
@@ -696,6 +772,10 @@ def main(argv=None) -> int:
     with open(log_path, "w") as log:
         if args.tiny and not args.spawn:  # in this process: the smoke test pays the imports once
             for job in jobs:
+                if job["run"] in PEER_RUNS:  # always a process of its own, on the peer's site
+                    proc, result_file = launch(job, [0], log)
+                    record(result_file, job, proc.wait())
+                    continue
                 result_file = work / f"result-{job['mode']}-{job['run']}.json"
                 job = {**job, "result": str(result_file)}
                 result_file.unlink(missing_ok=True)
@@ -757,7 +837,13 @@ def main(argv=None) -> int:
     out.write_text(json.dumps(report, indent=1))
     print(table(report))
     print(f"wrote {out} ({time.time() - start:.0f} s)")
-    return 0 if all("failed" not in r for r in report["runs"]) else 1
+    return 1 if any(map(counts_as_failure, report["runs"])) else 0
+
+
+def counts_as_failure(run: dict) -> bool:
+    """A run that failed. A peer run out of memory is a measurement (that setting does not fit the cap; the x Unsloth
+    ratios and the targets use the fastest one that fits), not a failure of the benchmark."""
+    return "failed" in run and not (run["run"] in PEER_RUNS and run.get("out_of_memory"))
 
 
 def merge_runs(report: dict, theirs: list[dict]) -> None:
@@ -844,6 +930,75 @@ def summarise(report: dict) -> None:
         one = by_key.get((mode, run, 1)) or by_key.get((mode, base_run(run), 1))
         if world > 1 and one:
             r["ddp_efficiency"] = round(r["tokens_per_s"] / (world * one["tokens_per_s"]), 3)
+        peer = fastest_peer(by_key, mode)
+        if peer and world == 1 and run not in PEER_RUNS:
+            r["x_unsloth"] = round(r["tokens_per_s"] / peer["tokens_per_s"], 2)
+    targets = peer_targets(report["runs"])
+    if targets:
+        report["targets"] = targets
+
+
+def fastest_peer(by_key: dict, mode: str) -> dict | None:
+    """The fastest Unsloth run of `mode` that fits (a run that ran out of memory has no rate, so is not there)."""
+    peers = [by_key[(mode, p, 1)] for p in PEER_RUNS if (mode, p, 1) in by_key]
+    return max(peers, key=lambda r: r["tokens_per_s"], default=None)
+
+
+def peer_targets(runs: list[dict]) -> list[dict]:
+    """Issue 25's targets, for each mode a peer was asked in: [{mode, target, met (None: nothing to compare), detail}].
+    4gb: freetune's tokens/s >= 1.3x Unsloth's offloaded-checkpointing run at no more peak allocated memory;
+    t4: >= 1.3x the fastest Unsloth run that fits; uncapped: >= 1.8x the fastest Unsloth run, and a lean point (a
+    --variants run labelled lean...) at a peak <= Unsloth's offloaded run's and >= 1.3x its tokens/s."""
+    measured = {(r["mode"], r["run"]): r for r in runs if "tokens_per_s" in r and r["world_size"] == 1}
+    asked = {r["mode"] for r in runs if r["run"] in PEER_RUNS}
+    out = []
+    for mode in [m for m in TARGET_X if m in asked]:
+        ours, offloaded = measured.get((mode, "freetune")), measured.get((mode, "unsloth"))
+        fastest = max((measured[(mode, p)] for p in PEER_RUNS if (mode, p) in measured),
+                      key=lambda r: r["tokens_per_s"], default=None)
+        if mode == "4gb":
+            out.append(_target(mode, f">= {TARGET_X[mode]}x Unsloth (offloaded), peak <=", ours, offloaded,
+                               TARGET_X[mode], memory=True))
+        else:
+            out.append(_target(mode, f">= {TARGET_X[mode]}x the fastest Unsloth that fits", ours, fastest,
+                               TARGET_X[mode], memory=False))
+        if mode == "uncapped":
+            leans = [r for (m, run), r in measured.items() if m == mode and run.startswith("freetune[lean")]
+            for lean in leans or [None]:
+                out.append(_target(mode, f"lean point: >= {LEAN_X}x Unsloth (offloaded), peak <=", lean, offloaded,
+                                   LEAN_X, memory=True))
+    return out
+
+
+def _target(mode: str, target: str, ours: dict | None, peer: dict | None, x: float, memory: bool) -> dict:
+    if ours is None or peer is None:
+        missing = ("no --variants run labelled lean..." if "lean" in target else "no freetune run") if ours is None \
+            else "no Unsloth run to compare with (not run, or out of memory)"
+        return {"mode": mode, "target": target, "met": None, "detail": f"not measured: {missing}"}
+    ratio = ours["tokens_per_s"] / peer["tokens_per_s"]
+    met = ratio >= x
+    detail = (f"{ours['run']} {ours['tokens_per_s']:,.0f} tok/s vs {peer['run']} {peer['tokens_per_s']:,.0f}: "
+              f"{ratio:.2f}x")
+    if memory:
+        mine, theirs = ours.get("peak_allocated_gib"), peer.get("peak_allocated_gib")
+        met = met and mine is not None and theirs is not None and mine <= theirs
+        detail += f", peak allocated {mine} vs {theirs} GiB"
+    return {"mode": mode, "target": target, "met": met, "detail": detail}
+
+
+def loss_agreement(runs: list[dict]) -> list[str]:
+    """Per mode and peer run: the largest difference between its per-step losses and freetune's over the steps both
+    logged (same rows in the same order; freetune's LoRA dropout and kernels differ, so close rather than equal)."""
+    ours = {r["mode"]: r for r in runs if r["run"] == "freetune" and r.get("world_size") == 1 and r.get("losses")}
+    lines = []
+    for r in runs:
+        mine = ours.get(r["mode"])
+        if r["run"] in PEER_RUNS and r.get("losses") and mine and mine["logging_steps"] == r["logging_steps"]:
+            pairs = list(zip(mine["losses"], r["losses"]))
+            lines.append(f"  {r['mode']:9s} {r['run']} vs freetune over {len(pairs)} logged steps: largest loss "
+                         f"difference {max(abs(a - b) for a, b in pairs):.3f} (first step {pairs[0][1]:.3f} vs "
+                         f"{pairs[0][0]:.3f})")
+    return lines
 
 
 def _shape_key(name: str) -> str:
@@ -851,25 +1006,36 @@ def _shape_key(name: str) -> str:
 
 
 def table(report: dict) -> str:
-    cols = ["mode", "run", "GPUs", "batch", "ckpt", "batching", "sampler", "LoRA", "GPU busy", "tok/s", "step s",
-            "alloc GiB", "resv GiB",
-            "MFU 6N", "MFU 4N", "x free", "x plain", "DDP eff"]
-    lines = [cols]
+    """The runs' table; with the peer, issue 25's targets and the per-step losses' agreement under it."""
+    cols = ["mode", "run", "GPUs", "batch", "ckpt", "batching", "sampler", "attn", "LoRA", "GPU busy", "tok/s",
+            "step s", "alloc GiB", "resv GiB",
+            "MFU 6N", "MFU 4N", "x free", "x plain", "x Unsloth", "DDP eff"]
+    lines, failed = [cols], []
     for r in report["runs"]:
         if "failed" in r:
-            lines.append([r["mode"], r["run"], str(r["world"]), "FAILED: " + r["failed"]] + [""] * (len(cols) - 4))
+            failed.append([r["mode"], r["run"], str(r["world"]), "FAILED: " + r["failed"]])
             continue
         lines.append([r["mode"], r["run"], str(r["world_size"]), f"{r['micro_batch']}x{r['grad_accum']}",
-                      "on" if r["gradient_checkpointing"] else "off", r["batching"], r.get("sampler", ""),
-                      r.get("lora_kernel", ""),
+                      r.get("checkpointing") or ("off" if not r["gradient_checkpointing"] else
+                                                 "offload" if r.get("offload_activations") else "on"), r["batching"],
+                      r.get("sampler", ""), r.get("attention", ""), r.get("lora_kernel", ""),
                       f"{r['profile']['gpu_busy_share']:.0%}" if r.get("profile", {}).get("gpu_busy_share") else "",
                       f"{r['tokens_per_s']:.0f}",
                       f"{r['step_s']:.2f}", f"{r.get('peak_allocated_gib', r.get('peak_rss_gib', 0)):.2f}",
                       f"{r.get('peak_reserved_gib', 0):.2f}", f"{r.get('mfu_6n', 0):.1%}",
                       f"{r.get('mfu_4n', 0):.1%}", str(r.get("x_free_tier", "")), str(r.get("x_plain_best", "")),
-                      str(r.get("ddp_efficiency", ""))])
-    widths = [max(len(row[i]) for row in lines) for i in range(len(cols))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in lines)
+                      str(r.get("x_unsloth", "")), str(r.get("ddp_efficiency", ""))])
+    # A failed run's reason runs on past the columns rather than widening them.
+    widths = [max(len(row[i]) for row in lines + [f[:3] for f in failed] if i < len(row)) for i in range(len(cols))]
+    text = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in lines + failed]
+    if report.get("targets"):
+        text += ["", "targets (issue 25; tok/s and peak allocated, freetune vs Unsloth):"] + [
+            f"  {t['mode']:9s} {t['target']}: {'-' if t['met'] is None else 'met' if t['met'] else 'NOT met'}: "
+            f"{t['detail']}" for t in report["targets"]]
+    agreement = loss_agreement(report["runs"])
+    if agreement:
+        text += ["", "per-step losses:"] + agreement
+    return "\n".join(text)
 
 
 if __name__ == "__main__":

@@ -8,5 +8,6 @@ python3 -m pip download -q "${P[@]}" "${M[@]}" trl==1.16.0 datasets==5.2.0 peft=
 # bitsandbytes ships only a manylinux_2_24 wheel with every CUDA/ROCm/XPU library (43 MB); keep cuda130 + cpu.
 TMP="$(mktemp -d)"
 python3 -m pip download -q "${P[@]/$DEST/$TMP}" --platform manylinux_2_24_x86_64 bitsandbytes==0.50.2
-python3 "$(dirname "$0")/device_wheels_shrink_bnb.py" "$TMP"/bitsandbytes-0.50.2-*.whl "$DEST/$(basename "$TMP"/bitsandbytes-0.50.2-*.whl)"
+python3 "$(dirname "$0")/device_wheels_shrink.py" "$TMP"/bitsandbytes-0.50.2-*.whl "$DEST/$(basename "$TMP"/bitsandbytes-0.50.2-*.whl)" \
+    --drop 'bitsandbytes/libbitsandbytes_.*\.so' --keep 'bitsandbytes/libbitsandbytes_(cuda130|cpu)\.so'
 rm -rf "$TMP"; du -sh "$DEST"

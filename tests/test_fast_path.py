@@ -10,6 +10,8 @@ The per-token mean loss must agree at the first step (before any update) and alo
 import json
 import math
 
+import pytest
+
 ROWS = 24
 
 
@@ -116,7 +118,8 @@ def test_padding_free_path_matches_the_plain_loss_and_computes_no_padding(tiny_m
     assert sum(s["computed_tokens"] for s in free) < sum(s["computed_tokens"] for s in padded)
 
 
-def test_the_plan_chooses_the_fast_path_and_says_why():
+def test_the_plan_chooses_the_fast_path_and_says_why(monkeypatch):
+    from freetune import fast
     from freetune.memory import KNOWN_SHAPES
     from freetune.preflight import GPU, Hardware, make_plan
 
@@ -126,11 +129,28 @@ def test_the_plan_chooses_the_fast_path_and_says_why():
                         ram_total_gib=30.0, ram_available_gib=28.0)
 
     shape = KNOWN_SHAPES["qwen2.5-1.5b"]
-    # A T4: the full batch without checkpointing needs far more than 14.7 GiB, so checkpointing stays on;
-    # no variable-length FlashAttention there, so batches are grouped by length instead of concatenated.
+    # A T4: the full batch without checkpointing needs far more than 14.7 GiB, so checkpointing stays on. Its
+    # policy allows only the memory-efficient variable-length kernel (sm50+); this CPU machine cannot run the probe
+    # that checks it against sdpa, so the probe's two answers are given here.
+    probed = []
+
+    def probe(device_index, backends):
+        probed.append(backends)
+        return answer
+
+    monkeypatch.setattr(fast, "_probe", probe)
+    monkeypatch.setattr(fast, "_PROBED", {})
+    answer = ("efficient", "efficient: checked against sdpa, forward and backward")
     t4 = make_plan(machine("Tesla T4", (7, 5), 14.7, False), model_shape=shape, micro_batch=None, grad_accum=8)
-    assert t4.micro_batch > 1 and t4.gradient_checkpointing and t4.batching == "grouped"
-    assert "would need" in t4.reasons["gradient_checkpointing"] and "T4" in t4.reasons["batching"]
+    assert probed == [("efficient",)]
+    assert t4.micro_batch > 1 and t4.gradient_checkpointing and t4.batching == "padding_free"
+    assert "would need" in t4.reasons["gradient_checkpointing"] and "T4 (sm75) runs too" in t4.reasons["batching"]
+    assert t4.frozen_dtype == "float16" and t4.attn_implementation == fast.VARLEN_ATTENTION
+    monkeypatch.setattr(fast, "_PROBED", {})
+    answer = ("", "efficient: disagrees with sdpa (output relative error 0.300)")
+    t4 = make_plan(machine("Tesla T4", (7, 5), 14.7, False), model_shape=shape, micro_batch=None, grad_accum=8)
+    assert t4.batching == "grouped" and "disagrees with sdpa" in t4.reasons["batching"]
+    monkeypatch.undo()
     # A 141 GB card: 8 x 1,024 tokens fit without the recompute, so it goes.
     big = make_plan(machine("NVIDIA H200", (9, 0), 139.8, True), model_shape=shape, micro_batch=None, grad_accum=8)
     assert big.micro_batch == 8 and not big.gradient_checkpointing and "fit without it" in \
@@ -182,12 +202,13 @@ def test_the_attention_layers_only_read_the_probed_backend_inside_compiled_code(
 
     probes = []
 
-    def counting_probe(device_index):
+    def counting_probe(device_index, backends):
         probes.append(device_index)
         return "", "probed by the test"
 
     monkeypatch.setattr(fast, "_probe", counting_probe)
     monkeypatch.setattr(fast, "_CHOSEN", {})
+    monkeypatch.setattr(fast, "_PROBED", {})
     assert fast.varlen_works(0) == (False, "probed by the test")  # eagerly, as the plan and train() do
 
     @torch.compile(backend="eager", fullgraph=True)  # fullgraph: a graph break would raise
@@ -260,3 +281,62 @@ def test_the_config_keeps_the_host_from_waiting_for_the_gpu_each_micro_batch(tmp
                                   attn_implementation="sdpa"), **kwargs)
     assert cpu.accelerator_config.non_blocking is False and cpu.dataloader_pin_memory is False
     assert cpu.logging_nan_inf_filter is False
+
+
+def _padding_free_vs_alone(model_dir, device: str, backend: str):
+    """(packed, alone) logits and LoRA gradients of three rows: one padding-free batch against each row on its own."""
+    import torch
+
+    import freetune
+    from freetune import fast
+    from freetune.preflight import Plan
+
+    cuda = device == "cuda"
+    dtype = {"flash": "bfloat16", "efficient": "float16"}.get(backend, "float32")
+    plan = Plan(device=device, compute_dtype=dtype, mixed_precision={"bfloat16": "bf16", "float16": "fp16"}.get(
+        dtype, "no"), attn_implementation=fast.VARLEN_ATTENTION, micro_batch=3, grad_accum=1,
+        gradient_checkpointing=False, frozen_dtype=dtype if cuda else "float32")
+    model = freetune.model.load_base_model(str(model_dir), plan)
+    model, _, _ = freetune.model.attach_lora(model, rank=8, alpha=16, dropout=0.0, seed=0)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:  # non-zero B, as after some training: the adapter then shapes the logits
+            torch.nn.init.normal_(param, std=0.05)
+    if cuda:
+        fast._CHOSEN[torch.cuda.current_device()] = (backend, "forced by the test")
+    rows = [(torch.arange(5, 5 + n, device=device) * 37) % 5000 for n in (7, 12, 4)]
+    gen = torch.Generator(device=device).manual_seed(0)
+    weights = [torch.randn(len(r), model.config.vocab_size, device=device, generator=gen) for r in rows]
+    lora = [p for p in model.parameters() if p.requires_grad]
+
+    def run(ids, **kwargs):
+        with torch.autocast(device, dtype=plan.torch_dtype, enabled=cuda):
+            return model(input_ids=ids, use_cache=False, **kwargs).logits[0].float()
+
+    bounds = torch.tensor([0, 7, 19, 23], dtype=torch.int32, device=device)
+    positions = torch.cat([torch.arange(len(r), device=device) for r in rows])[None]
+    packed = run(torch.cat(rows)[None], position_ids=positions, cu_seq_lens_q=bounds, cu_seq_lens_k=bounds,
+                 max_length_q=12, max_length_k=12)
+    (packed * torch.cat(weights)).sum().backward()
+    packed_grads = [p.grad.clone() for p in lora]
+    model.zero_grad()
+    alone = [run(r[None]) for r in rows]
+    sum((a * w).sum() for a, w in zip(alone, weights)).backward()
+    return packed, torch.cat(alone), packed_grads, [p.grad for p in lora]
+
+
+@pytest.mark.parametrize("where", ["cpu", "cuda:flash", "cuda:efficient"])
+def test_each_row_of_a_padding_free_batch_gets_its_own_logits_and_gradients(tiny_model_dir, where):
+    """Rows concatenated into one padding-free batch (position ids restarting, cu_seq_lens) give every row the logits
+    and the LoRA gradients it gets on its own: no token attends across rows, forward or backward. On a CPU through
+    sdpa and transformers' block-diagonal mask; on a GPU through each variable-length kernel (flash: sm80+;
+    efficient: the one a T4 runs), run on the GPU machine with `pytest tests/test_fast_path.py -k own_logits`."""
+    import torch
+
+    device, _, backend = where.partition(":")
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("the variable-length kernels need a GPU; the CPU case covers the packing itself")
+    packed, alone, packed_grads, alone_grads = _padding_free_vs_alone(tiny_model_dir, device, backend)
+    tol = 1e-4 if device == "cpu" else 3e-2
+    torch.testing.assert_close(packed, alone, rtol=tol, atol=tol)
+    for got, want in zip(packed_grads, alone_grads):
+        assert (got - want).norm() <= tol * max(want.norm(), 1e-3), ((got - want).norm(), want.norm())

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -147,8 +148,13 @@ def test_4gb_card():
 
 
 def test_memory_budget_override_plans_for_a_capped_gpu():
-    plan = make_plan(H100, model_shape=KNOWN_SHAPES["qwen2.5-1.5b"], memory_budget_gib=4.0, grad_accum=8)
-    assert plan.memory.budget_gib == 4.0 and plan.micro_batch < 8 and plan.memory.fits
+    plan = make_plan(H100, model_shape=KNOWN_SHAPES["qwen2.5-1.5b"], memory_budget_gib=3.0, grad_accum=8)
+    assert plan.memory.budget_gib == 3.0 and plan.micro_batch < 8 and plan.memory.fits
+    # Under a small cap the checkpointed layers' inputs go to host memory: they would be a real share of it.
+    assert plan.gradient_checkpointing and plan.offload_activations and "pinned host memory" in \
+        plan.reasons["gradient_checkpointing"]
+    roomy = make_plan(H100, model_shape=KNOWN_SHAPES["qwen2.5-1.5b"], memory_budget_gib=14.5, grad_accum=8)
+    assert roomy.gradient_checkpointing and not roomy.offload_activations
 
 
 def test_low_disk_is_warned_about():
@@ -212,3 +218,27 @@ def test_gradient_checkpointing_takes_auto_on_off_and_refuses_anything_else():
     assert make_plan(T4, model_shape="qwen2.5-1.5b", gradient_checkpointing="off").gradient_checkpointing is False
     with pytest.raises(FreetuneError, match="'auto'.*'on' or 'off'"):
         make_plan(T4, model_shape="qwen2.5-1.5b", gradient_checkpointing="yes")
+
+
+def test_a_card_with_room_for_some_layers_checkpoints_only_every_nth(tmp_path):
+    """Between "fits without checkpointing" and "needs it everywhere": every n-th layer is checkpointed, the largest n
+    that fits (the others skip the recompute), and the Trainer is told through every_n_layers."""
+    from freetune.memory import estimate
+    from freetune.platform import Paths
+    from freetune.train import make_config
+
+    shape = KNOWN_SHAPES["qwen2.5-1.5b"]
+    plan = make_plan(H100, model_shape=shape, memory_budget_gib=20.0, grad_accum=8)
+    assert plan.micro_batch == 8 and plan.gradient_checkpointing and plan.checkpoint_every == 3
+    assert "on for 10 of 28 layers (every 3)" in plan.reasons["gradient_checkpointing"]
+    settings = {k: v for k, v in plan.memory.settings.items() if k not in ("model", "max_length", "micro_batch")}
+    denser = estimate(shape, max_length=1024, micro_batch=8, **{**settings, "checkpoint_every": 4})
+    assert denser.total_gib * 1.1 > 20.0 >= plan.memory.total_gib * 1.1
+    assert "every 3 layers" in plan.table()
+    run = tmp_path / "run"
+    paths = Paths(platform="local", run_dir=str(run), checkpoints=f"{run}/c", adapter=f"{run}/a", data=f"{run}/d",
+                  reports=f"{run}/r").make()
+    cpu_check = replace(plan, device="cpu", compute_dtype="float32", mixed_precision="no")  # this machine has no GPU
+    config = make_config(paths, cpu_check, max_steps=2, micro_batch=8, grad_accum=1, learning_rate=1e-4,
+                         max_length=1024)
+    assert config.gradient_checkpointing_kwargs == {"use_reentrant": False, "every_n_layers": 3}
