@@ -8,8 +8,9 @@ what will not fit, and a failure leaves the adapter where it was.
   away), on the GPU when a copy fits in its free memory, else on the CPU. A 7B model's merged copy is ~15 GB of
   RAM and disk; Kaggle's working folder holds 20 GB in all.
 - GGUF: llama.cpp's own `convert_hf_to_gguf.py` writes f16 / q8_0; `llama-quantize` (compiled llama.cpp) makes
-  q4_k_m when present, else Ollama makes it from the f16 file (`ollama create -q q4_K_M -f Modelfile.f16`). The converter comes from llama.cpp itself (a clone, or the copy vendored in the
-  `llama-cpp-python` source distribution on PyPI: `fetch_converter`), never from a home-made writer.
+  q4_k_m when present, else Ollama makes it from the f16 file (`ollama create -q q4_K_M -f Modelfile.f16`). The
+  converter comes from llama.cpp itself (a clone, or the copy vendored in the `llama-cpp-python` source
+  distribution on PyPI: `fetch_converter`), never from a home-made writer.
 - Ollama: a Modelfile whose TEMPLATE is the Go-template twin of the model's chat template when that is one freetune
   trains with (freetune.templates: ChatML, Llama 3, Zephyr; checked on a probe conversation before it is written),
   with its stop tokens and defaults.
@@ -685,8 +686,8 @@ def ollama_commands(modelfile: str | Path, name: str) -> str:
     f16 = modelfile.with_name(F16_MODELFILE)
     if f16.is_file():
         base = name.split(":")[0]
-        commands += (f"\n# q4_k_m, the size Ollama users pull (~40% smaller than q8_0), quantised by Ollama from the f16 "
-                     f"GGUF:\nollama create {base}:q4_k_m -q q4_K_M -f {f16}")
+        commands += (f"\n# q4_k_m, the size Ollama users pull (~40% smaller than q8_0), quantised by Ollama from "
+                     f"the f16 GGUF:\nollama create {base}:q4_k_m -q q4_K_M -f {f16}")
     return commands
 
 

@@ -100,10 +100,15 @@ def usable(tokenizer) -> list[str]:
             if all(_has_token(tokenizer, tok) for tok in t.needs) and t.end_token(tokenizer)]
 
 
+def _named() -> str:
+    return (f"{', '.join(repr(n) for n in TEMPLATES)} "
+            f"({'; '.join(f'{n}: {t.family}' for n, t in TEMPLATES.items())})")
+
+
 def describe_choices(tokenizer) -> str:
+    """What to set, and which of the named templates this tokenizer's vocabulary allows."""
     fits = usable(tokenizer)
-    return (f"Set `chat_template` to one of {', '.join(repr(n) for n in TEMPLATES)} "
-            f"({'; '.join(f'{n}: {t.family}' for n, t in TEMPLATES.items())}); this tokenizer has the tokens for "
+    return (f"Set `chat_template` to one of {_named()}; this tokenizer has the tokens for "
             f"{', '.join(repr(n) for n in fits) if fits else 'none of them'}.")
 
 
@@ -114,8 +119,8 @@ def apply(tokenizer, name: str, model_id: str = "the model"):
         return tokenizer
     template = TEMPLATES.get(name)
     if template is None:
-        raise FreetuneError(f"chat_template={name!r} is not one freetune knows. Use 'auto' (the model's own) or "
-                            f"{describe_choices(tokenizer)[len('Set `chat_template` to '):]}")
+        raise FreetuneError(f"chat_template={name!r} is not one freetune knows. Use 'auto' (the model's own) or one "
+                            f"of {_named()}.")
     missing = [t for t in template.needs if not _has_token(tokenizer, t)]
     if missing or not template.end_token(tokenizer):
         lacks = ", ".join(missing) if missing else "an EOS token"
@@ -123,8 +128,11 @@ def apply(tokenizer, name: str, model_id: str = "the model"):
             f"chat_template={name!r} needs {lacks}, which the tokenizer of {model_id} does not have (a new token's "
             f"embedding would start untrained, and LoRA does not train embeddings). {describe_choices(tokenizer)}")
     tokenizer.chat_template = template.jinja()
+    end = template.end_token(tokenizer)
+    if tokenizer.pad_token is None and tokenizer.eos_token and tokenizer.eos_token != end:
+        tokenizer.pad_token = tokenizer.eos_token  # the old EOS pads: a pad equal to the turn's end would hide it
     # The model must learn to end its turn with the template's end token, and generation must stop there.
-    tokenizer.eos_token = template.end_token(tokenizer)
+    tokenizer.eos_token = end
     return tokenizer
 
 

@@ -154,26 +154,29 @@ def _exchange(rng: random.Random) -> list[tuple[str, str]]:
             ("Which one comes last?", sorted(items)[-1].capitalize() + ".")]
 
 
-def multiturn_rows(n: int, rng: random.Random) -> list[dict]:
-    """Chat `messages` of several exchanges: the loss must be on every assistant turn."""
+def conversations(n: int, rng: random.Random) -> list[list[tuple[str, str]]]:
+    """n conversations of (role, text) turns: half open with a system turn, then two or three exchanges."""
     rows = []
     for _ in range(n):
-        turns = [{"role": "system", "content": "You answer briefly."}] if rng.random() < 0.5 else []
+        turns = [("system", "You answer briefly.")] if rng.random() < 0.5 else []
         for question, answer in _exchange(rng):
-            turns += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
-        rows.append({"messages": turns})
+            turns += [("user", question), ("assistant", answer)]
+        rows.append(turns)
     return rows
+
+
+def multiturn_rows(n: int, rng: random.Random) -> list[dict]:
+    """Chat `messages` of several exchanges: the loss must be on every assistant turn."""
+    return [{"messages": [{"role": r, "content": t} for r, t in turns]} for turns in conversations(n, rng)]
+
+
+SHAREGPT_SPEAKERS = {"system": "system", "user": "human", "assistant": "gpt"}
 
 
 def sharegpt_rows(n: int, rng: random.Random) -> list[dict]:
     """ShareGPT's shape: `conversations` of {"from": "system" | "human" | "gpt", "value": ...}."""
-    rows = []
-    for _ in range(n):
-        turns = [{"from": "system", "value": "You answer briefly."}] if rng.random() < 0.5 else []
-        for question, answer in _exchange(rng):
-            turns += [{"from": "human", "value": question}, {"from": "gpt", "value": answer}]
-        rows.append({"conversations": turns})
-    return rows
+    return [{"conversations": [{"from": SHAREGPT_SPEAKERS[r], "value": t} for r, t in turns]}
+            for turns in conversations(n, rng)]
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:

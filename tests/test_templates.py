@@ -6,6 +6,7 @@ import json
 import shutil
 
 import pytest
+from test_fast_path import run_paths
 
 from freetune import data, model, templates
 from freetune.errors import FreetuneError
@@ -67,16 +68,13 @@ def test_every_assistant_turn_carries_labels_and_nothing_else_does(name, tiny_mo
     from transformers import AutoModelForCausalLM
     from trl import SFTTrainer
 
-    from freetune.platform import Paths
     from freetune.preflight import Plan
     from freetune.train import make_config
 
     tokenizer = _tokenizer_with(tiny_model_dir, name)
     end = tokenizer.eos_token if name == "auto" else templates.TEMPLATES[name].end_token(tokenizer)
     rows = multiturn_rows()
-    run = tmp_path / "run"
-    paths = Paths(platform="local", run_dir=str(run), checkpoints=f"{run}/c", adapter=f"{run}/a", data=f"{run}/d",
-                  reports=f"{run}/r")
+    paths = run_paths(tmp_path, "run")
     plan = Plan(device="cpu", compute_dtype="float32", mixed_precision="no", attn_implementation="sdpa")
     config = make_config(paths, plan, max_steps=1, micro_batch=2, grad_accum=1, learning_rate=1e-4, max_length=256,
                          optimizer="adamw_torch", assistant_only="messages" in rows.column_names)

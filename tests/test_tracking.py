@@ -6,6 +6,7 @@ import json
 import math
 
 import pytest
+from test_fast_path import run_paths
 
 from freetune import tracking
 from freetune.errors import FreetuneError
@@ -20,16 +21,6 @@ def rows(n, offset=0):
     return Dataset.from_list([{"prompt": f"Draw {words[i % 10]} number {i}:",
                                "completion": " <svg>" + " ".join(words[(i * 3 + j) % 10] for j in range(2 + i % 9))
                                              + "</svg>"} for i in range(offset, offset + n)])
-
-
-def run_paths(root, name):
-    from freetune.platform import Paths
-
-    run = root / name
-    paths = Paths(platform="local", run_dir=str(run), checkpoints=f"{run}/checkpoints", adapter=f"{run}/adapter",
-                  data=f"{run}/data", reports=f"{run}/reports")
-    paths.make()
-    return paths
 
 
 @pytest.fixture(scope="module")
@@ -150,8 +141,6 @@ def test_overfitting_is_eval_loss_rising_for_three_evaluations_while_train_loss_
 
 def test_the_overfitting_warning_is_printed_once_per_rising_streak(capsys):
     from transformers import TrainerControl, TrainerState
-
-    from freetune.train import make_config  # noqa: F401  (transformers' callbacks import as training does)
 
     watch = tracking.overfit_watch()
     state = TrainerState()
