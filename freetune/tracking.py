@@ -61,15 +61,29 @@ def sft_fields(paths, *, report_to: str, eval_steps: int, micro_batch: int) -> d
                   per_device_eval_batch_size=micro_batch, prediction_loss_only=True,
                   report_to=[] if report_to == "none" else [report_to], run_name=Path(paths.run_dir).name,
                   project=Path(paths.run_dir).name)
-    if report_to != "none":
+    if report_to == "tensorboard":
         folder = Path(paths.reports) / report_to
-        # Both tools read their folder from the environment: TensorBoard's callback when the trainer is built,
-        # Trackio when it is first imported (so in a notebook kernel the first run's folder stays for later ones).
-        os.environ["TENSORBOARD_LOGGING_DIR" if report_to == "tensorboard" else "TRACKIO_DIR"] = str(folder)
-        view = (f"tensorboard --logdir {folder}  (Colab: %load_ext tensorboard, then %tensorboard --logdir {folder})"
-                if report_to == "tensorboard" else f"TRACKIO_DIR={folder} trackio show --project {fields['project']}")
-        print0(f"Logging to {report_to}: {folder}. To view: {view}")
+        os.environ["TENSORBOARD_LOGGING_DIR"] = str(folder)  # read by its callback when the trainer is built
+        print0(f"Logging to tensorboard: {folder}. To view: tensorboard --logdir {folder}  (Colab: %load_ext "
+               f"tensorboard, then %tensorboard --logdir {folder})")
+    elif report_to == "trackio":
+        folder = _trackio_dir(Path(paths.reports) / report_to)
+        print0(f"Logging to trackio: {folder}. To view: TRACKIO_DIR={folder} trackio show --project "
+               f"{fields['project']}")
     return fields
+
+
+def _trackio_dir(wanted: Path) -> Path:
+    """Where Trackio will write: `wanted`, unless Trackio was imported before (it reads TRACKIO_DIR once, at import;
+    TRL's profiling helpers import it whenever it is installed), then where that import pointed it."""
+    import sys
+
+    if "trackio" in sys.modules:
+        from trackio.utils import TRACKIO_DIR
+
+        return Path(TRACKIO_DIR)
+    os.environ["TRACKIO_DIR"] = str(wanted)
+    return wanted
 
 
 def eval_points(history: list[dict]) -> list[tuple[int, float]]:

@@ -25,8 +25,8 @@ def rows(n, offset=0):
 
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir, tmp_path_factory):
-    """The same 4 steps with evaluation every 2 twice: TRL's SFTTrainer as it comes, logging to Trackio, and
-    freetune.train.train on the fast path (padding-free batches, its trainer class), logging to TensorBoard."""
+    """The same 4 steps with evaluation every 2 twice: TRL's SFTTrainer as it comes, and freetune.train.train on the
+    fast path (padding-free batches, its trainer class), logging to TensorBoard."""
     import io
     from contextlib import redirect_stdout
 
@@ -52,7 +52,7 @@ def runs(tiny_model_dir, tmp_path_factory):
             eval_steps=EVAL_STEPS, report_to=report_to)
         return paths, model, config
 
-    _, model, config = model_and_config(Plan(**common, batching="padded"), "plain", "trackio")
+    _, model, config = model_and_config(Plan(**common, batching="padded"), "plain", "none")
     bnb_cpu.keep_training_layout(model)  # as train() does: else an AVX-512 CPU cannot train after an evaluation
     plain = SFTTrainer(model=model, args=config, train_dataset=rows(16), eval_dataset=rows(8, offset=100),
                        processing_class=tokenizer, callbacks=[adapter_dtype_guard()])
@@ -110,17 +110,50 @@ def test_tensorboard_event_files_hold_the_train_and_eval_losses(runs):
         assert math.isclose(got, want, rel_tol=1e-6)
 
 
-def test_trackio_logs_locally_into_the_run_folder(runs):
-    import os
+TRACKIO_RUN = """
+import json, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+import freetune
+from freetune.preflight import Plan
+from test_fast_path import run_paths
+from test_tracking import rows
 
-    from trackio.sqlite_storage import SQLiteStorage
+paths = run_paths(Path(sys.argv[3]), "trackio-run")
+plan = Plan(device="cpu", compute_dtype="float32", mixed_precision="no", attn_implementation="sdpa", micro_batch=4,
+            grad_accum=1, gradient_checkpointing=False)
+model = freetune.model.load_base_model(sys.argv[1], plan, gradient_checkpointing=False)
+model, _, _ = freetune.model.attach_lora(model, rank=8, alpha=16, dropout=0.0, seed=0)
+config = freetune.train.make_config(paths, plan, max_steps=2, micro_batch=4, grad_accum=1, learning_rate=5e-3,
+                                    max_length=64, optimizer="adamw_torch", logging_steps=1, save_steps=100,
+                                    eval_steps=1, report_to="trackio")
+freetune.train.train(model, freetune.model.load_tokenizer(sys.argv[1]), rows(8), config, paths=paths,
+                     eval_dataset=rows(4, 100), resume=False)
+from trackio.sqlite_storage import SQLiteStorage
 
-    folder = runs["root"] / "plain" / "reports" / "trackio"
-    assert os.environ["TRACKIO_DIR"] == str(folder) and list(folder.glob("*.db")), "no Trackio store written"
-    logs = SQLiteStorage.get_logs("plain", "plain")
-    evals = [(log["train/global_step"], log["eval/loss"]) for log in logs if "eval/loss" in log]
-    assert evals == tracking.eval_points(runs["plain"])
-    assert [log["train/global_step"] for log in logs if "train/loss" in log] == [1, 2, 3, 4]
+print("LOGS", json.dumps([{k: v for k, v in log.items() if "/" in k} for log in
+                          SQLiteStorage.get_logs("trackio-run", "trackio-run")]))
+"""
+
+
+def test_trackio_logs_locally_into_the_run_folder(tiny_model_dir, tmp_path):
+    """In a fresh process, as a notebook's training runs: Trackio's local store lands in the run folder, with the
+    train and eval losses (nothing is sent anywhere: no Space is named)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).parent
+    done = subprocess.run([sys.executable, "-c", TRACKIO_RUN, str(tiny_model_dir), str(tests), str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    folder = tmp_path / "trackio-run" / "reports" / "trackio"
+    assert f"Logging to trackio: {folder}" in done.stdout and list(folder.glob("*.db")), "no Trackio store written"
+    logs = json.loads(done.stdout.split("LOGS ", 1)[1].splitlines()[0])
+    history = json.loads((tmp_path / "trackio-run" / "reports" / "log_history.json").read_text())
+    assert [(log["train/global_step"], log["eval/loss"]) for log in logs if "eval/loss" in log] == [
+        tuple(p) for p in tracking.eval_points(history)] and len(tracking.eval_points(history)) == 2
+    assert [log["train/global_step"] for log in logs if "train/loss" in log] == [1, 2]
 
 
 def history(evals, train):
