@@ -8,7 +8,12 @@ tags explicitly, using the platform table in freetune/platform.py:
   install  -> the pinned install for that platform, rendered from pyproject.toml (torch is never reinstalled)
   paths    -> `target=None` becomes `target="<platform>"` so the notebook knows what it was built for
   train    -> Colab: run inline. Kaggle: collected into one `%%writefile train_ddp.py` cell (the code exists
-              once, in the recipe), followed by a cell that writes the job file and launches torchrun.
+              once, in the recipe), followed by a cell that writes the job file and launches torchrun; the
+              section's prose (from its heading on) becomes one cell above them.
+  colab, kaggle -> the cell is in that target's notebook only (say what holds there: its GPU, its menus).
+Around the recipe's cells: the first cell is the recipe's opening prose with "Open in Colab" / "Open in Kaggle"
+badges and what to set before "Run all" (from the platform table); the last two are "Next steps" and, for
+contributors, which recipe the notebook is generated from (also in the notebook metadata, under "freetune").
 Output is deterministic: no outputs, no execution counts, stable cell ids and metadata, no timestamps.
 """
 
@@ -31,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 from freetune.platform import PLATFORMS  # noqa: E402  (the table lives in the library; no torch import)
 
 KERNELSPEC = {"name": "python3", "display_name": "Python 3", "language": "python"}
+MAX_PARAMETER_LINE = 100  # the parameters cell is read without scrolling sideways
 
 
 def project_meta() -> dict:
@@ -71,6 +77,10 @@ def parameter_names(source: str) -> list[str]:
     """Names declared in the parameters cell, in order (`name: type = value  # help`)."""
     names = []
     for line in source.splitlines():
+        if len(line) > MAX_PARAMETER_LINE:
+            raise SystemExit(f"parameters cell: {line.strip()[:60]!r}... is {len(line)} characters long; keep "
+                             f"lines within {MAX_PARAMETER_LINE} (papermill reads a parameter's help from its own "
+                             f"line: shorten the help, and explain more in a comment line above it)")
         # papermill skips any parameter line with two '=' signs (e.g. "0 = auto" in the help comment), and
         # then `papermill --help-notebook` cannot show it and warns on injection.
         if not line.lstrip().startswith("#") and line.count("=") > 1:
@@ -100,7 +110,53 @@ def _markdown(source: str) -> nbformat.NotebookNode:
     return nbformat.v4.new_markdown_cell(source)
 
 
-def kaggle_train_cells(recipe_name: str, train_sources: list[str], names: list[str]) -> list:
+def repo_url() -> str:
+    return project_meta()["urls"]["Repository"]
+
+
+def notebook_url(name: str, target: str) -> str:
+    return f"{repo_url()}/blob/main/notebooks/{target}/{name}.ipynb"
+
+
+def badge(name: str, target: str) -> str:
+    """The "Open in Colab" or "Open in Kaggle" badge of a recipe's notebook (its first cell, and the README's table).
+    Kaggle's import link takes the notebook's URL only; the notebook's metadata asks for the T4 x2 accelerator."""
+    url = notebook_url(name, target)
+    if target == "colab":
+        link = url.replace("https://github.com/", "https://colab.research.google.com/github/")
+        return f"[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]({link})"
+    return (f"[![Open in Kaggle](https://kaggle.com/static/images/open-in-kaggle.svg)]"
+            f"(https://kaggle.com/kernels/welcome?src={url})")
+
+
+def intro_cell(name: str, target: str, prose: list[str]) -> nbformat.NotebookNode:
+    """The recipe's opening prose, its title first, then the badges; last, what to set before "Run all"."""
+    title, _, rest = "\n\n".join(prose).partition("\n")
+    links = " ".join(badge(name, t) for t in TARGETS)
+    return _markdown(f"{title}\n\n{links}\n{rest}\n\n{PLATFORMS[target].before_run}")
+
+
+def next_steps_cell(name: str, target: str) -> nbformat.NotebookNode:
+    return _markdown(
+        "## Next steps\n"
+        "- **Try the adapter:** it is in the run folder printed above (`paths.adapter`); the Evaluate cells compare "
+        "it with the base model on held-out prompts.\n"
+        "- **Export for llama.cpp / Ollama:** set `export_gguf = True` and run all again. Training is not repeated: "
+        "the run resumes at its last step.\n"
+        f"- **Push to the Hub:** set `hub_repo = \"you/{name.replace('_', '-')}\"` and add your token to "
+        f"{PLATFORMS[target].secrets}.\n"
+        "- **Train longer, or resume after a lost session:** run all again with the same `run_name` (raise "
+        "`max_steps` to go further); a new `run_name` starts fresh. " + PLATFORMS[target].keeps_runs)
+
+
+def generated_from_cell(name: str, target: str) -> nbformat.NotebookNode:
+    return _markdown(f"<!-- generated from recipes/{name}.py by build_notebooks.py: edit that file, not this "
+                     f"notebook -->\n*For contributors: this notebook is generated from "
+                     f"[`recipes/{name}.py`]({repo_url()}/blob/main/recipes/{name}.py) for **{target}** "
+                     f"({PLATFORMS[target].gpus}); edit that file, then run `python build_notebooks.py`.*")
+
+
+def kaggle_train_cells(recipe_name: str, train_sources: list[str], names: list[str], prose: list[str]) -> list:
     header = (f"# Generated from recipes/{recipe_name}.py by build_notebooks.py: edit the recipe, not this cell.\n"
               "# torchrun starts this script once per GPU; the notebook wrote the job file it reads.\n"
               "import sys\n\nimport freetune\n\n"
@@ -115,30 +171,67 @@ def kaggle_train_cells(recipe_name: str, train_sources: list[str], names: list[s
               f"job_file = freetune.launch.write_job(\n    f\"{{paths.run_dir}}/train_ddp.json\",\n"
               f"    parameters={{{params}\n    }},\n    paths=paths,\n    plan=plan,\n)\n"
               f"freetune.launch.run_torchrun(\"train_ddp.py\", job_file, nproc={nproc})")
-    explain = ("**Kaggle runs the training cells as a script on both GPUs.** The cell below writes them to "
+    explain = ("## Model and training: one script on every GPU\n"
+               "Kaggle runs the training cells as a script on both GPUs. The cell below writes them to "
                "`train_ddp.py`; the next one launches it with `torchrun --standalone --nproc_per_node=<GPUs>`, "
                "streams rank 0's log here and fails with the failing rank's error if any rank fails.")
-    return [_markdown(explain), _code(script, ["train-script"]), _code(launch, ["launch"])]
+    return [_markdown("\n\n".join([explain, *map(_lead_in, prose)])), _code(script, ["train-script"]),
+            _code(launch, ["launch"])]
+
+
+def _lead_in(markdown: str) -> str:
+    """'## Model\\ntext' -> '**Model.** text': a section heading of the recipe, as a paragraph of the Kaggle cell."""
+    first, _, rest = markdown.partition("\n")
+    return f"**{first[3:].strip()}.** {rest.strip()}" if first.startswith("## ") else markdown
+
+
+def _for_target(cells: list, target: str) -> list:
+    """The recipe's cells for this target: a cell tagged with a target is left out of the others' notebooks."""
+    kept = []
+    for cell in cells:
+        tags = list(cell.metadata.get("tags", []))
+        only = [t for t in tags if t in TARGETS]
+        if only and target not in only:
+            continue
+        if only:
+            cell.metadata["tags"] = [t for t in tags if t not in TARGETS]
+        kept.append(cell)
+    return kept
+
+
+def _section_prose(cells: list) -> list:
+    """Pop the markdown cells at the end of `cells` from the last section heading on (the training section's prose,
+    which the Kaggle notebook shows in one cell above the script)."""
+    start = len(cells)
+    while start and cells[start - 1].cell_type == "markdown":
+        start -= 1
+    headings = [i for i in range(start, len(cells)) if cells[i].source.startswith("## ")]
+    start = headings[-1] if headings else len(cells)
+    prose = [c.source for c in cells[start:]]
+    del cells[start:]
+    return prose
 
 
 def render(recipe: Path, target: str) -> nbformat.NotebookNode:
     source_nb = jupytext.read(recipe, fmt="py:percent")
     platform = PLATFORMS[target]
     name = recipe.stem
-    banner = (f"<!-- generated from recipes/{name}.py by build_notebooks.py: edit that file, not this notebook -->\n"
-              f"*Generated from [`recipes/{name}.py`](../../recipes/{name}.py) for **{target}** "
-              f"({platform.gpus}); edit that file, then run `python build_notebooks.py`.*")
-    cells = [_markdown(banner)]
+    recipe_cells = _for_target(source_nb.cells, target)
+    opening = []
+    while recipe_cells and recipe_cells[0].cell_type == "markdown":
+        opening.append(recipe_cells.pop(0).source)
+    cells = [intro_cell(name, target, opening)]
     names: list[str] = []
     train_sources: list[str] = []
-    deferred_markdown: list = []
+    prose: list[str] = []  # Kaggle: the training section's prose, shown above its script
     train_done = False
-    for cell in source_nb.cells:
+    for cell in recipe_cells:
         tags = list(cell.metadata.get("tags", []))
         if cell.cell_type == "markdown":
-            md = _markdown(cell.source)
-            # On Kaggle, prose inside the training section is shown before the script cell that holds its code.
-            (deferred_markdown if platform.launches_ddp and train_sources and not train_done else cells).append(md)
+            if platform.launches_ddp and train_sources and not train_done:
+                prose.append(cell.source)  # on Kaggle, shown above the script that holds the section's code
+            else:
+                cells.append(_markdown(cell.source))
             continue
         if "parameters" in tags:
             names = parameter_names(cell.source)
@@ -150,19 +243,24 @@ def render(recipe: Path, target: str) -> nbformat.NotebookNode:
                 raise SystemExit(f"{recipe}: the cell tagged `paths` must call resolve_paths(target=None, ...)")
             cells.append(_code(cell.source.replace("target=None", f"target={target!r}"), ["paths"]))
         elif "train" in tags and platform.launches_ddp:
+            if not train_sources:
+                prose = _section_prose(cells)
             train_sources.append(cell.source)
         else:
             if train_sources and not train_done and platform.launches_ddp:
-                cells += deferred_markdown + kaggle_train_cells(name, train_sources, names)
-                deferred_markdown, train_done = [], True
+                cells += kaggle_train_cells(name, train_sources, names, prose)
+                train_done = True
             cells.append(_code(cell.source, tags))
     if train_sources and not train_done:
-        cells += deferred_markdown + kaggle_train_cells(name, train_sources, names)
+        cells += kaggle_train_cells(name, train_sources, names, prose)
     if not names:
         raise SystemExit(f"{recipe}: no cell is tagged `parameters` (the first code cell must be)")
+    cells += [next_steps_cell(name, target), generated_from_cell(name, target)]
 
     nb = nbformat.v4.new_notebook(cells=cells)
-    nb.metadata = {"kernelspec": KERNELSPEC, "language_info": {"name": "python"}, **platform.metadata}
+    nb.metadata = {"kernelspec": KERNELSPEC, "language_info": {"name": "python"}, **platform.metadata,
+                   "freetune": {"generated_from": f"recipes/{name}.py", "target": target,
+                                "edit": "the recipe, then run `python build_notebooks.py`; not this notebook"}}
     for index, cell in enumerate(nb.cells):
         cell.id = f"{name.replace('_', '-')}-{index:02d}"
     nbformat.validate(nb)

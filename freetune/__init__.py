@@ -1,6 +1,7 @@
 """freetune: QLoRA fine-tuning for free and small GPUs. The recipes orchestrate; this library does the work.
 
 Modules, in the order a recipe uses them:
+  console      what the notebook shows: errors as messages, no library progress bars, one duration format
   params       check the parameters cell's values against their declared types
   platform     Colab / Kaggle / local differences as one table (paths, secrets, install)
   preflight    the machine check and the training plan (dtype, precision, attention, layout, batch)
@@ -21,15 +22,29 @@ Modules, in the order a recipe uses them:
 """
 
 import importlib
+import logging
 
+from freetune import console
 from freetune.errors import FreetuneError
 
 __version__ = "0.1.0"
 __all__ = ["FreetuneError", "__version__"]
 
+# bitsandbytes 0.50 warns at import, on CPUs with AVX-512 bf16, that it could not fetch an optional faster CPU
+# kernel from the Hub ("Failed to load CPU gemm_4bit_forward from kernels-community": the `kernels` package is
+# not installed). It then uses its own C++ kernel for that op (4-bit inference at batch size 1), so nothing is
+# missing; the line only reads like a failure to a new user. That one message is dropped, nothing else.
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
+    lambda record: not str(record.msg).startswith("Failed to load CPU gemm_4bit_forward"))
+
 _SUBMODULES = {"params", "platform", "preflight", "memory", "data", "audit", "model", "train", "distributed",
                "launch", "checkpoint", "sanity", "tasks", "export", "secrets", "fixtures", "templates", "tracking",
                "chat"}
+
+
+# A notebook shows freetune's lines and its errors' messages, not the libraries' bars and chained tracebacks.
+console.progress_bars_off()
+console.show_freetune_errors_as_messages()
 
 
 def __getattr__(name):

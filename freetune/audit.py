@@ -6,7 +6,8 @@ for that and for the other defects that cost a training run:
 
   blocking (the recipe stops until they are cleaned or knowingly accepted)
     empty                 empty or whitespace-only completions
-    repeated              a short completion repeated verbatim across >= `repeat_share_block` of the rows
+    repeated              a short completion repeated verbatim across >= `repeat_share_block` of the rows (or,
+                          among fewer than 5 distinct answers, one answer given to half the rows or more)
     check:<name>          rows failing a recipe's validity check (SVG parses, the action is valid JSON, ...)
     no_trainable_tokens   rows whose completion is entirely cut off by `max_length` (TRL drops them silently)
     duplicate             exact copies of an earlier row
@@ -89,6 +90,11 @@ BLOCKING, WARNING = "blocking", "warning"
 # A repeated answer counts as junk when it is shorter than this share of the median distinct answer: an error
 # string among SVG files is (29 vs ~250 characters), the same Home Assistant action asked in other words is not.
 SHORT_REPEAT_RATIO = 0.5
+# With fewer distinct answers than this there is no typical length to compare with (a data set whose every answer is
+# one stub has a single distinct answer, its own yardstick): an answer given verbatim to at least DOMINANT_SHARE of
+# the rows is then junk whatever its length. Class labels look the same; the message says how to keep them.
+MIN_DISTINCT_FOR_MEDIAN = 5
+DOMINANT_SHARE = 0.5
 TOP_EXAMPLES = 5          # repeats, conflicts and check reasons listed in a finding's details
 EXAMPLE_CHARS = 120       # examples are cut to this length in reports
 TOKENIZE_BATCH = 2048     # rows per tokeniser call: big enough for the Rust side's threads, small for memory
@@ -173,9 +179,9 @@ class AuditReport:
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
 
-    def _lines(self) -> tuple[str, list[tuple[str, str, str, str, str]], list[str]]:
+    def _lines(self, dropping: bool = False) -> tuple[str, list[tuple[str, str, str, str, str]], list[str]]:
         header = f"Data audit: {self.rows:,} rows ({self.shape})"
-        table = [(f.severity.upper(), f.title, f"{f.count:,}" if f.rows or f.count else "-",
+        table = [(_status(f, dropping), f.title, f"{f.count:,}" if f.rows or f.count else "-",
                   f"{100 * f.count / self.rows:.2f}%" if (f.rows or f.count) and self.rows else "",
                   f.message) for f in self.findings]
         notes = []
@@ -199,18 +205,24 @@ class AuditReport:
             notes.append(f"EOS {eos!r} inside the trained tokens: {t['eos_in_labels_rows']:,} of {self.rows:,} "
                          f"rows; labels end like {t['labels_end_example']!r}")
             notes.append(f"pad == EOS: {'yes' if t['pad_is_eos'] else 'no'} (pad {t['pad_token']!r})")
+        dropped = {i for f in self.blocking for i in f.rows} if dropping else set()
         if not self.findings:
             notes.insert(0, "No problems found.")
+        elif dropped:
+            notes.insert(0, f"The {_n(len(dropped), 'row')} marked dropped are removed before training "
+                            f"({CLEAN_PARAMETER}=True); the rows left are audited again.")
         elif not self.blocking:
             notes.insert(0, "No blocking problems.")
         return header, table, notes
 
-    def table(self) -> str:
-        """A short human-readable table: one line per finding, then the length and token figures."""
-        header, table, notes = self._lines()
+    def table(self, dropping: bool = False) -> str:
+        """A short human-readable table: one line per finding, then the length and token figures.
+
+        dropping: the rows of the blocking findings are about to be dropped (auto-clean): they show as dropped."""
+        header, table, notes = self._lines(dropping)
         out = [header]
         if table:
-            heads = ("severity", "finding", "rows", "share", "what it means")
+            heads = ("status", "finding", "rows", "share", "what it means")
             widths = [max(len(heads[i]), *(len(r[i]) for r in table)) for i in range(4)]
             out.append("  ".join(h.ljust(w) for h, w in zip(heads, widths + [0])).rstrip())
             for r in table:
@@ -224,23 +236,44 @@ class AuditReport:
 
     __repr__ = __str__
 
-    def _repr_html_(self) -> str:
-        header, table, notes = self._lines()
-        colour = {"BLOCKING": "#b71c1c", "WARNING": "#8d6e00"}
+    def _repr_html_(self, dropping: bool = False) -> str:
+        header, table, notes = self._lines(dropping)
         cells = "".join(
-            f"<tr><td style='color:{colour[sev]};font-weight:bold'>{sev.lower()}</td><td>{html.escape(title)}</td>"
-            f"<td style='text-align:right'>{rows}</td><td style='text-align:right'>{share}</td>"
-            f"<td style='text-align:left'>{html.escape(msg)}</td></tr>"
-            for sev, title, rows, share, msg in table)
-        body = (f"<table><thead><tr><th>severity</th><th>finding</th><th>rows</th><th>share</th>"
+            f"<tr><td style='color:{STATUS_COLOURS[status]};font-weight:bold'>{status.lower()}</td>"
+            f"<td>{html.escape(title)}</td><td style='text-align:right'>{rows}</td>"
+            f"<td style='text-align:right'>{share}</td><td style='text-align:left'>{html.escape(msg)}</td></tr>"
+            for status, title, rows, share, msg in table)
+        body = (f"<table><thead><tr><th>status</th><th>finding</th><th>rows</th><th>share</th>"
                 f"<th style='text-align:left'>what it means</th></tr></thead><tbody>{cells}</tbody></table>"
                 if table else "")
         items = "".join(f"<li>{html.escape(n)}</li>" for n in notes)
         return f"<div><b>{html.escape(header)}</b>{body}<ul>{items}</ul></div>"
 
-    def display(self) -> None:
+    def display(self, dropping: bool = False) -> None:
         """Show the report as a table: rich in a notebook, plain text in a terminal or a torchrun log."""
-        _show(self)
+        _show(_AuditView(self, dropping))
+
+
+# Red stops the run; rows about to be dropped are not a problem left to the user.
+STATUS_COLOURS = {"BLOCKING": "#b71c1c", "WARNING": "#8d6e00", "DROPPED": "#546e7a"}
+
+
+def _status(finding: Finding, dropping: bool) -> str:
+    return "DROPPED" if dropping and finding.severity == BLOCKING and finding.rows else finding.severity.upper()
+
+
+@dataclass
+class _AuditView:
+    """The report as shown while auto-clean is about to drop its blocking rows."""
+
+    report: AuditReport
+    dropping: bool
+
+    def _repr_html_(self) -> str:
+        return self.report._repr_html_(self.dropping)
+
+    def __str__(self) -> str:
+        return self.report.table(self.dropping)
 
 
 def _show(obj) -> None:
@@ -328,8 +361,12 @@ def _repeat_findings(completions: list[str], requests: Callable[[int], str], *, 
         return []
     repeated.sort(key=lambda item: (-len(item[1]), item[0]))
 
+    few_distinct = len(groups) < MIN_DISTINCT_FOR_MEDIAN
+
     def is_junk(text: str, rows: list[int]) -> bool:
-        return len(rows) / total >= repeat_share_block and len(text) < SHORT_REPEAT_RATIO * median_chars
+        share = len(rows) / total
+        return share >= repeat_share_block and (len(text) < SHORT_REPEAT_RATIO * median_chars
+                                                or few_distinct and share >= DOMINANT_SHARE)
 
     def describe(text: str, rows: list[int]) -> dict:
         return {"completion": _cut(text), "rows": len(rows), "share": _share(len(rows), total),
@@ -345,7 +382,7 @@ def _repeat_findings(completions: list[str], requests: Callable[[int], str], *, 
             "repeated", "repeated", BLOCKING, "repeated short completion",
             f"{_n(len(junk), 'short completion')} repeated verbatim over {_n(len(rows), 'row')}, e.g. "
             f"{_cut(top_text, 60)!r} x{len(top_rows):,}: cheap to memorise, they can become the answer to "
-            f"every prompt.", rows, len(rows),
+            f"every prompt.{_few_answers_note(len(groups)) if few_distinct else ''}", rows, len(rows),
             {"completions": len(junk), "top": [describe(t, r) for t, r in junk[:TOP_EXAMPLES]]}))
     if other:
         rows = sorted(i for _, r in other for i in r)
@@ -357,6 +394,13 @@ def _repeat_findings(completions: list[str], requests: Callable[[int], str], *, 
             f"they are real answers.", rows, len(rows),
             {"completions": len(other), "top": [describe(t, r) for t, r in other[:TOP_EXAMPLES]]}))
     return findings
+
+
+def _few_answers_note(distinct: int) -> str:
+    if distinct == 1:
+        return " Every row has this one answer: there is nothing else to learn. Check the data set and its `columns`."
+    return (f" The data set has only {distinct} distinct answers; if they are class labels, set "
+            f"`{CLEAN_PARAMETER}=False` and `{ACCEPT_PARAMETER}=True` to train on them.")
 
 
 def _short_finding(completions: list[str], min_chars: int, excluded: set[int]) -> Finding | None:
@@ -969,7 +1013,7 @@ def audit_and_clean(dataset, *, auto_clean: bool, accept_problems: bool, **audit
     Returns (data set to train on, its AuditReport, CleanSummary or None when nothing was cleaned).
     """
     report = audit(dataset, **audit_kwargs)
-    report.display()
+    report.display(dropping=auto_clean)
     if report.finding("repeated") is not None:
         print("\nWhy repeated short answers matter: " + WHY_REPEATS_DOMINATE)
     summary = None
@@ -1012,6 +1056,7 @@ def resolve_checks(name: str) -> dict[str, Check]:
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
+    import contextlib
     import sys
 
     from freetune.data import load_rows, normalize
@@ -1036,11 +1081,12 @@ def main(argv: list[str] | None = None) -> int:
         columns = json.loads(args.columns) if args.columns else None
         if columns is not None and not isinstance(columns, dict):
             raise FreetuneError("--columns must be a JSON object, e.g. '{\"completion\": \"output\"}'.")
-        dataset = normalize(load_rows(args.dataset, split=args.split), columns=columns)
-        eval_dataset = (normalize(load_rows(args.eval_dataset, split=args.eval_split), columns=columns)
-                        if args.eval_dataset else None)
-        report = audit(dataset, tokenizer=args.model, max_length=args.max_length,
-                       checks=resolve_checks(args.checks) if args.checks else None, eval_dataset=eval_dataset)
+        with contextlib.redirect_stdout(sys.stderr):  # the progress lines; stdout holds the report alone
+            dataset = normalize(load_rows(args.dataset, split=args.split), columns=columns)
+            eval_dataset = (normalize(load_rows(args.eval_dataset, split=args.eval_split), columns=columns)
+                            if args.eval_dataset else None)
+            report = audit(dataset, tokenizer=args.model, max_length=args.max_length,
+                           checks=resolve_checks(args.checks) if args.checks else None, eval_dataset=eval_dataset)
     except json.JSONDecodeError as exc:
         print(f"error: --columns is not valid JSON ({exc}).", file=sys.stderr)
         return 1

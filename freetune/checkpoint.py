@@ -239,6 +239,7 @@ def trainer_class(base):
     class CheckpointingTrainer(base):
         resumed_at = 0  # the step this session started from (0, or the checkpoint's step)
         tokens_at_resume = 0  # TRL's num_tokens count at that step
+        nonfinite_weights_at: str | None = None  # set when a save found NaN/inf weights (nothing was written)
 
         def __init__(self, *args, hub: "HubSync | None" = None, **kwargs):
             super().__init__(*args, **kwargs)
@@ -267,6 +268,12 @@ def trainer_class(base):
             return super()._run_epoch(*args, **kwargs)
 
         def _save_checkpoint(self, model, trial):
+            # The loss is checked at log steps only (train.NonFiniteGuard); a save between them must not write
+            # weights an overflow has already poisoned, or the resume would go on from them.
+            if not weights_finite(model):
+                self.nonfinite_weights_at = f"at step {self.state.global_step} the adapter's weights hold NaN or inf"
+                self.control.should_training_stop = True
+                return
             folder = Path(self._get_output_dir(trial)) / f"checkpoint-{self.state.global_step}"
             if self.args.should_save:
                 (folder / MARKER).unlink(missing_ok=True)  # a folder being (re)written is never complete
@@ -326,6 +333,20 @@ def trainer_class(base):
                     torch.save(rank_state, os.path.join(output_dir, f"rng_state_{rank}.pth"))
 
     return CheckpointingTrainer
+
+
+def weights_finite(model) -> bool:
+    """Whether every trainable weight is finite, on every rank (one host sync: for saves, not for every step)."""
+    import torch
+    import torch.distributed as dist
+
+    weights = [p for p in model.parameters() if p.requires_grad]
+    if not weights:
+        return True
+    finite = torch.stack([torch.isfinite(p).all() for p in weights]).all().to(torch.int32)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)  # FSDP: each rank holds a shard; all stop or none
+    return bool(finite.item())
 
 
 # ---- Stopping early: a time budget and SIGTERM ----------------------------------------------------------------

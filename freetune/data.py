@@ -15,12 +15,16 @@ hub id; every failure is a FreetuneError that says what to change, raised before
 
 from __future__ import annotations
 
+import codecs
+import json
 from pathlib import Path
 from typing import Any
 
-from freetune.errors import FreetuneError
+from freetune.errors import FreetuneError, reason
+from freetune.platform import require_hub
 
 LOCAL_SUFFIXES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+TEXT_SUFFIXES = (".jsonl", ".json", ".csv")  # read as UTF-8 text; parquet is binary
 
 
 def load_rows(source: str, split: str = "train", config: str | None = None):
@@ -29,35 +33,119 @@ def load_rows(source: str, split: str = "train", config: str | None = None):
 
     path = Path(source).expanduser()
     looks_local = source.startswith((".", "/", "~")) or path.suffix in LOCAL_SUFFIXES or path.exists()
-    if looks_local:
-        if not path.exists():
-            raise FreetuneError(
-                f"Data set file {str(path)!r} does not exist. Check the `dataset` parameter: give an existing "
-                f".jsonl/.json/.csv/.parquet file, a folder saved with Dataset.save_to_disk, or a hub id "
-                f"such as 'thesantatitan/deepseek-svg-dataset'.")
-        try:
-            if path.is_dir() and (path / "dataset_info.json").exists():
-                return datasets.load_from_disk(str(path))
-            if path.is_dir():
-                return datasets.load_dataset(str(path), config, split=split)
-            builder = LOCAL_SUFFIXES.get(path.suffix)
-            if builder is None:
-                raise FreetuneError(
-                    f"Cannot read {path.name!r}: freetune reads {', '.join(sorted(LOCAL_SUFFIXES))} files. "
-                    f"Convert the file, or point `dataset` at a hub id.")
-            return datasets.load_dataset(builder, data_files=str(path), split="train")
-        except FreetuneError:
-            raise
-        except Exception as exc:  # malformed JSON, wrong CSV, ...: say which file and why
-            raise FreetuneError(f"Could not read data set file {str(path)!r}: {exc}. Fix the file or the "
-                                f"`dataset` parameter.") from exc
+    if not looks_local:
+        return _load_hub(source, split, config)
+    if not path.exists():
+        raise FreetuneError(
+            f"Data set file {str(path)!r} does not exist. Check the `dataset` parameter: give an existing "
+            f".jsonl/.json/.csv/.parquet file, a folder saved with Dataset.save_to_disk, or a hub id "
+            f"such as 'thesantatitan/deepseek-svg-dataset'.")
+    saved = path.is_dir() and (path / "dataset_info.json").exists()  # written by Dataset.save_to_disk
+    if path.is_file() and path.suffix not in LOCAL_SUFFIXES:
+        raise FreetuneError(
+            f"Cannot read {path.name!r}: freetune reads {', '.join(sorted(LOCAL_SUFFIXES))} files. "
+            f"Convert the file, or point `dataset` at a hub id.")
+    files = [] if saved else _data_files(path)
+    for file in files:
+        _check_text(file)
+    try:
+        if saved:
+            return datasets.load_from_disk(str(path))
+        if path.is_dir():
+            return datasets.load_dataset(str(path), config, split=split)
+        return datasets.load_dataset(LOCAL_SUFFIXES[path.suffix], data_files=str(path), split="train")
+    except Exception as exc:  # malformed JSON, wrong CSV, ...: say which file, where and why
+        where = next(filter(None, map(_json_problem, files)), None) or _root_cause(exc)
+        raise FreetuneError(f"Could not read data set {str(path)!r}: {where}. Fix the file or the `dataset` "
+                            f"parameter.") from exc
+
+
+def _load_hub(source: str, split: str, config: str | None):
+    import datasets
+
+    require_hub(f"the data set {source!r}", "dataset")
+    print(f"Reading {source!r} (split {split!r}) from the Hugging Face Hub ...", flush=True)
     try:
         return datasets.load_dataset(source, config, split=split)
     except Exception as exc:
         raise FreetuneError(
             f"Could not load data set {source!r} (split {split!r}) from the Hugging Face Hub: "
-            f"{type(exc).__name__}: {str(exc)[:300]}. Check the `dataset` id and split, that this machine is "
+            f"{type(exc).__name__}: {reason(exc)}. Check the `dataset` id and split, that this machine is "
             f"online, and for a private or gated data set that HF_TOKEN is set (Colab/Kaggle secrets).") from exc
+
+
+def _data_files(path: Path) -> list[Path]:
+    """The data files `load_rows` reads: the file itself, or a folder's .jsonl/.json/.csv/.parquet files."""
+    if path.is_file():
+        return [path]
+    found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in LOCAL_SUFFIXES
+                   and not any(part.startswith(".") for part in p.relative_to(path).parts))
+    if not found:
+        others = sorted(p.name for p in path.iterdir())[:8]
+        raise FreetuneError(
+            f"Folder {str(path)!r} holds no {', '.join(sorted(LOCAL_SUFFIXES))} files (it holds {others or 'nothing'})"
+            f" and was not saved with Dataset.save_to_disk. Point `dataset` at a data file, or at a folder of them.")
+    return found
+
+
+def _check_text(path: Path) -> None:
+    """Before datasets reads a file: an empty one, or text that is not UTF-8 (datasets would load it and fail later,
+    at the first row it decodes, without naming the file), named with its line."""
+    if path.stat().st_size == 0:
+        raise FreetuneError(f"Data set file {str(path)!r} is empty (0 bytes). Point `dataset` at the file that holds "
+                            f"your rows.")
+    if path.suffix not in TEXT_SUFFIXES:
+        return
+    decoder, lines, blank = codecs.getincrementaldecoder("utf-8")(), 0, True
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            try:
+                blank = blank and not decoder.decode(chunk).strip()
+            except UnicodeDecodeError as exc:
+                seen = exc.object[:exc.start]
+                line = lines + seen.count(b"\n") + 1
+                shown = exc.object[seen.rfind(b"\n") + 1:exc.start + 1].decode("utf-8", "backslashreplace")[-60:]
+                raise FreetuneError(
+                    f"Data set file {str(path)!r} is not UTF-8 text: line {line} has the byte "
+                    f"0x{exc.object[exc.start]:02x} ({shown!r}); Latin-1 or Windows-1252 files look like this. "
+                    f"Save it as UTF-8 (e.g. `iconv -f latin1 -t utf-8 {path.name} > utf8-{path.name}`) and point "
+                    f"`dataset` at the new file.") from exc
+            lines += chunk.count(b"\n")
+    if blank:
+        raise FreetuneError(f"Data set file {str(path)!r} holds only whitespace: no rows. Point `dataset` at the file "
+                            f"that holds your rows.")
+
+
+def _json_problem(path: Path) -> str | None:
+    """Where a JSON / JSON Lines file stops being valid ("file, line N, column M: why"), or None if it is valid."""
+    if path.suffix not in (".json", ".jsonl"):
+        return None
+    text = path.read_text(encoding="utf-8")
+    if text.lstrip().startswith(("[", "{")):
+        try:
+            json.loads(text)
+            return None  # one valid JSON document: the problem is not its syntax
+        except json.JSONDecodeError as exc:
+            if text.lstrip().startswith("["):
+                return f"{path.name}, line {exc.lineno}, column {exc.colno}: {exc.msg}"
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            return f"{path.name}, line {number}, column {exc.colno}: {exc.msg} (JSON Lines: one JSON object per line)"
+        if not isinstance(row, dict):
+            return (f"{path.name}, line {number} holds a JSON {type(row).__name__}, not an object such as "
+                    f"{{\"prompt\": ..., \"completion\": ...}}")
+    return None
+
+
+def _root_cause(exc: BaseException) -> str:
+    """datasets wraps a reader's error in "An error occurred while generating the dataset": the reader's own words."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def _is_message_list(value: Any) -> bool:

@@ -6,3 +6,9 @@ class FreetuneError(Exception):
 
     The message is written for the person at the notebook: what is wrong, then what to change.
     """
+
+
+def reason(exc: BaseException, limit: int = 300) -> str:
+    """An exception's message to quote inside a sentence: its first `limit` characters, no trailing period."""
+    text = " ".join(str(exc).split())
+    return text[:limit].rstrip(".") + " ..." if len(text) > limit else text.rstrip(".")

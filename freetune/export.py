@@ -32,6 +32,7 @@ from pathlib import Path
 
 from freetune.chat import SAMPLING
 from freetune.errors import FreetuneError
+from freetune.params import HUB_ID as _HUB_ID
 from freetune.secrets import hf_token, redact
 from freetune.templates import Template
 from freetune.templates import identify as identify_template
@@ -731,9 +732,6 @@ def _eval_markdown(eval_table) -> str:
         columns = list(dict.fromkeys(c for v in eval_table.values() for c in v))
         return _md_table(["metric", *columns], [[m, *(v.get(c, "") for c in columns)] for m, v in eval_table.items()])
     return _md_table(["metric", "value"], [[k, v] for k, v in eval_table.items()])
-
-
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 def _looks_like_hub_id(name: str) -> bool:

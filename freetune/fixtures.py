@@ -112,13 +112,13 @@ def build_tiny_model(out_dir: str | Path, architecture: str = "qwen2", hidden_si
         bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        torch_dtype="bfloat16",  # as the real Qwen checkpoints say: the T4 path must cope with it
+        dtype="bfloat16",  # as the real Qwen checkpoints say: the T4 path must cope with it
         **arch,
     )
     values.update(config_overrides)
     config = AutoConfig.for_model(model_type, **values)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.generation_config.eos_token_id = [tokenizer.eos_token_id, tokenizer.pad_token_id]
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(str(out_dir))

@@ -11,13 +11,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
+from freetune.console import duration
 from freetune.errors import FreetuneError
+
+RANK0_PREFIX = "[default0]:"  # what torchrun's --tee puts before each line of local rank 0 (role "default")
+LAUNCHER_LOG = "torchrun.log"  # torchrun's own messages, kept out of the notebook
+FREETUNE_ERROR = "\nfreetune.errors.FreetuneError: "  # a rank's traceback ends in one: its message is what counts
 
 
 def write_job(path: str | Path, parameters: dict, paths, plan) -> Path:
@@ -100,17 +106,20 @@ def run_torchrun(script: str | Path, job_file: str | Path, *, nproc: int = 0, lo
     if nnodes > 1:
         where += f" on this host, node {node_rank} of {nnodes}"
     print(f"Launching: torchrun {' '.join(placement)} {Path(script).name}  ({where})", flush=True)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # OMP_NUM_THREADS: torchrun sets 1 per rank when it is unset, with a banner saying so; set here, silently.
+    # The prefix template is torchrun's default, so rank 0's lines are the ones that start with RANK0_PREFIX.
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env.pop("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", None)
     started = time.time()
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                          bufsize=1) as proc:
+                          bufsize=1) as proc, open(log_dir / LAUNCHER_LOG, "a") as launcher_log:
         assert proc.stdout is not None
         try:
-            for line in proc.stdout:
-                print(line, end="", flush=True)
+            for line in rank0_lines(proc.stdout, launcher_log):
+                print(line, flush=True)
                 if timeout_s and time.time() - started > timeout_s:
                     proc.terminate()
-                    raise FreetuneError(f"The torchrun job ran past {timeout_s:.0f} s and was stopped.")
+                    raise FreetuneError(f"The torchrun job ran past {duration(timeout_s)} and was stopped.")
             code = proc.wait()
         except BaseException:
             proc.terminate()  # an interrupted cell must not leave ranks training in the background
@@ -120,7 +129,22 @@ def run_torchrun(script: str | Path, job_file: str | Path, *, nproc: int = 0, lo
         who = f"rank {rank}" if nnodes <= 1 else f"local rank {rank} of this host (node_rank {node_rank})"
         raise FreetuneError(f"The torchrun job failed (exit code {code}); {who} reported:\n{error}")
     ranks = f"All {nproc} ranks" if nnodes <= 1 else f"This host's {nproc} rank(s) of a {nnodes}-host job"
-    print(f"{ranks} finished in {time.time() - started:.0f} s.", flush=True)
+    print(f"{ranks} finished in {duration(time.time() - started)} (loading, training and saving).", flush=True)
+
+
+def rank0_lines(stream, launcher_log):
+    """Local rank 0's lines as the rank printed them, from torchrun's merged output: without the tee prefix (also
+    where a partial line made torchrun repeat it mid-line) and without runs of blank lines. torchrun's own messages
+    go to launcher_log."""
+    blank = True  # no blank line before the first one
+    for raw in stream:
+        if RANK0_PREFIX not in raw:
+            launcher_log.write(raw)
+            continue
+        line = raw.replace(RANK0_PREFIX, "").rstrip()
+        if line or not blank:
+            yield line
+        blank = not line
 
 
 def failing_rank_error(log_dir: str | Path) -> tuple[str, str]:
@@ -132,9 +156,14 @@ def failing_rank_error(log_dir: str | Path) -> tuple[str, str]:
             continue
         text = path.read_text(errors="replace")
         if "Traceback (most recent call last)" in text:
-            tail = text[text.rindex("Traceback (most recent call last)"):]
+            # torch prefixes each line of a rank's uncaught exception with "[rankN]: "
+            tail = re.sub(r"(?m)^\[rank\d+\]: ?", "", text[text.rindex("Traceback (most recent call last)"):])
+            if FREETUNE_ERROR in tail:  # written for the user: its message says it all, as in the notebook
+                return path.parent.name, tail[tail.index(FREETUNE_ERROR) + len(FREETUNE_ERROR):].strip()
             return path.parent.name, _short(tail)
-    return "?", "no rank left a Python traceback (killed by a signal or out of memory?); see " + str(log_dir)
+    return "?", (f"no rank left a Python traceback (killed by a signal or out of memory?); see {log_dir} "
+                 f"({LAUNCHER_LOG} holds torchrun's own messages)")
+
 
 
 def _short(traceback_text: str, keep: int = 25) -> str:

@@ -246,11 +246,11 @@ def layer_activation_bytes(shape: ModelShape, *, lora_rank: int, lora_targets="a
 # residual stream between layers, and each checkpointed layer's saved input, is 16-bit there.
 # Checkpointed layers' inputs still on the GPU when offloaded (TRL's activation offloading): the ones whose copy to
 # the host is in flight in the forward, and the ones fetched back ahead of their layer's backward.
-OFFLOAD_RESIDENT_LAYERS = 2
+OFFLOAD_RESIDENT_LAYERS = 3
 # torch.compile'd decoder layers (freetune.kernels.compile_layers) save what the fused graph's backward needs, not
 # every eager op's inputs: measured on an H200 (docs/performance.md), a compiled Qwen2.5-1.5B layer holds
 # this share of the eager layer's counted bytes per token.
-COMPILED_ACTIVATION_SHARE = 0.45
+COMPILED_ACTIVATION_SHARE = 0.34
 # freetune.kernels' fused LoRA layers save their input once (shared by the projections that read it) and dropout's
 # 1-byte mask, where peft's layers keep each projection's dropped 16-bit copy: bytes per token less, per dimension.
 FUSED_DROPOUT_SAVING = dict(hidden=10, q=2, intermediate=2)
@@ -260,8 +260,10 @@ def activation_bytes_per_token(shape: ModelShape, *, lora_rank: int, lora_target
                                gradient_checkpointing: bool, compute_dtype: str = "bfloat16",
                                frozen_dtype: str = "float32", offload_activations: bool = False,
                                lora_kernel: str = "peft", compiled: bool = False, checkpoint_every: int = 1
-                               ) -> float:
-    """Bytes per token held at the peak of the backward pass (decoder layers only; the loss head is apart)."""
+                               ) -> tuple[float, float]:
+    """(resident, transient) bytes per token of the decoder layers: what stays alive from the forward until the layers'
+    backward reaches it, and what one layer's backward adds on top (with checkpointing its recompute, too). The loss
+    head runs between the two: the peak is resident + the larger of the head and the transient part."""
     per_layer = layer_activation_bytes(shape, lora_rank=lora_rank, lora_targets=lora_targets,
                                        compute_dtype=compute_dtype)
     if lora_kernel == "fused":
@@ -273,15 +275,15 @@ def activation_bytes_per_token(shape: ModelShape, *, lora_rank: int, lora_target
     residual = 2 if _is_16bit(frozen_dtype) else 4
     # The embedding output and the final norm's input/output.
     outside_layers = 3 * residual * shape.hidden
-    if gradient_checkpointing:
-        # A checkpointed layer keeps only its input, and one at a time is recomputed in full during the backward;
-        # with checkpoint_every n, only every n-th layer is checkpointed (transformers' every_n_layers) and the
-        # others keep all their activations.
-        checkpointed = math.ceil(shape.layers / max(1, checkpoint_every))
-        kept = min(checkpointed, OFFLOAD_RESIDENT_LAYERS) if offload_activations else checkpointed
-        return ((shape.layers - checkpointed) * per_layer + kept * residual * shape.hidden + per_layer + backward
-                + outside_layers)
-    return shape.layers * per_layer + backward + outside_layers
+    if not gradient_checkpointing:
+        return shape.layers * per_layer + outside_layers, backward
+    # A checkpointed layer keeps only its input, and one at a time is recomputed in full during the backward; with
+    # checkpoint_every n, only every n-th layer is checkpointed (transformers' every_n_layers) and the others keep
+    # all their activations.
+    checkpointed = math.ceil(shape.layers / max(1, checkpoint_every))
+    kept = min(checkpointed, OFFLOAD_RESIDENT_LAYERS) if offload_activations else checkpointed
+    resident = (shape.layers - checkpointed) * per_layer + kept * residual * shape.hidden + outside_layers
+    return resident, per_layer + backward
 
 
 def loss_head_bytes(shape: ModelShape, tokens: int, *, compute_dtype: str = "bfloat16",
@@ -335,13 +337,14 @@ def estimate(shape: ModelShape, *, max_length: int, micro_batch: int, lora_rank:
         other_weights = shape.other_params * width  # the root unit, gathered for the whole step
         lora = trainable * (4 + 4) / shards
         optimizer_state = optimizer_state / shards
-    activations = tokens * activation_bytes_per_token(shape, lora_rank=lora_rank, lora_targets=lora_targets,
+    resident, transient = activation_bytes_per_token(shape, lora_rank=lora_rank, lora_targets=lora_targets,
                                                       gradient_checkpointing=gradient_checkpointing,
                                                       compute_dtype=compute_dtype, frozen_dtype=frozen_dtype,
                                                       offload_activations=offload_activations,
                                                       lora_kernel=lora_kernel, compiled=compiled,
                                                       checkpoint_every=checkpoint_every)
     head = loss_head_bytes(shape, tokens, compute_dtype=compute_dtype, loss_head=loss_head)
+    activations = tokens * (resident + max(0.0, transient - head / tokens))  # the head's part is counted apart
     allocated = weights_4bit + other_weights + lora + optimizer_state + activations + head
     on_gpu = device == "cuda"
     total = allocated * ALLOCATOR_SLACK + CUDA_CONTEXT_GIB * GIB if on_gpu else allocated

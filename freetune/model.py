@@ -16,9 +16,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from freetune import bnb_cpu, templates
-from freetune.errors import FreetuneError
+from freetune import bnb_cpu, params, templates
+from freetune.distributed import print0
+from freetune.errors import FreetuneError, reason
 from freetune.fast import VARLEN_ATTENTION, register_attention
+from freetune.platform import require_hub
 from freetune.preflight import Plan
 
 
@@ -29,6 +31,8 @@ def _check_model_source(model_id: str) -> None:
         what = "does not exist" if not path.exists() else "has no config.json"
         raise FreetuneError(f"Model folder {str(path)!r} {what}. Set `model_id` to a hub id such as "
                             f"'Qwen/Qwen2.5-Coder-1.5B-Instruct' or to a folder saved with save_pretrained().")
+    if not looks_local:
+        require_hub(f"the model {model_id!r}", "model_id")
 
 
 def load_tokenizer(model_id: str, chat_template: str = "auto"):
@@ -40,7 +44,7 @@ def load_tokenizer(model_id: str, chat_template: str = "auto"):
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_id)
     except OSError as exc:
-        raise FreetuneError(f"Could not load the tokenizer of {model_id!r}: {str(exc)[:300]}. Check `model_id`, "
+        raise FreetuneError(f"Could not load the tokenizer of {model_id!r}: {reason(exc)}. Check `model_id`, "
                             f"that this machine is online, and HF_TOKEN for gated models.") from exc
     templates.apply(tokenizer, chat_template, model_id)
     if tokenizer.pad_token is None:
@@ -127,13 +131,14 @@ def load_base_model(model_id: str, plan: Plan, *, local_rank: int = 0, gradient_
         # One full copy per process on its own GPU (DDP). Never "auto"/"balanced": those split the layers
         # across GPUs, which runs them one after another, slower than one GPU.
         kwargs["device_map"] = {"": local_rank}
+    print0(f"Loading {model_id}" + (" in 4-bit NF4" if quantize else "") + " ...")
     try:
         if fsdp and quantize and _distributed():  # unquantised models: transformers' own rank-0 loading does it
             model = _load_fsdp_rank0_only(model_id, kwargs)
         else:
             model = AutoModelForCausalLM.from_pretrained(model_id, **kwargs)
     except OSError as exc:
-        raise FreetuneError(f"Could not load model {model_id!r}: {str(exc)[:300]}. Check `model_id`, that this "
+        raise FreetuneError(f"Could not load model {model_id!r}: {reason(exc)}. Check `model_id`, that this "
                             f"machine is online, and HF_TOKEN for gated models.") from exc
     if fsdp or (quantize and plan.frozen_dtype != "float32"):
         # Not prepare_model_for_kbit_training: its fp32 upcast of norms and embeddings would mix dtypes inside
@@ -166,6 +171,7 @@ def attach_lora(model, *, rank: int, alpha: int, dropout: float, target_modules:
     from peft import LoraConfig, get_peft_model
     from transformers import set_seed
 
+    params.require(lora_rank=rank, lora_alpha=alpha, lora_dropout=dropout)  # else peft blames target_modules
     if seed is not None:
         set_seed(seed)
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules,

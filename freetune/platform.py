@@ -1,16 +1,20 @@
 """Colab, Kaggle and a local machine differ in a handful of facts; they live here, as one table.
 
 build_notebooks.py applies the table to the cells a recipe tags explicitly (`install`, `paths`, `train`) and to
-the notebook metadata; at run time `resolve_paths` turns the table's folders into real ones. A notebook built
-for Colab but executed elsewhere (CI, a laptop) falls back to local folders and says so.
+the notebook metadata; at run time `resolve_paths` turns the table's folders into real ones (a notebook built
+for Colab but executed elsewhere, CI or a laptop, falls back to local folders and says so), and `require_hub`
+says at once when the Hub is out of reach (Kaggle's Internet switch off).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from freetune.errors import FreetuneError
 
 
 @dataclass(frozen=True)
@@ -23,6 +27,8 @@ class Platform:
     time_limit_h: float | None   # the platform's session limit: the time budget stops and saves before it
     launches_ddp: bool           # the notebook writes train_ddp.py and runs it under torchrun on every GPU
     metadata: dict               # notebook metadata the platform reads (accelerator, internet)
+    before_run: str = ""         # what the user sets before "Run all" (the notebook's first cell says it)
+    keeps_runs: str = ""         # what outlives the session (the notebook's "Next steps" cell says it)
 
 
 PLATFORMS = {
@@ -32,6 +38,9 @@ PLATFORMS = {
         time_limit_h=12.0, launches_ddp=False,
         # Colab reads `accelerator` and `colab.gpuType` to pick the runtime when the notebook opens.
         metadata={"accelerator": "GPU", "colab": {"gpuType": "T4", "provenance": []}},
+        before_run="**On Colab:** Runtime -> Change runtime type -> **T4 GPU**, then Runtime -> Run all.",
+        keeps_runs=("Colab deletes the run folder with the runtime: `use_drive = True` keeps it on Google Drive, "
+                    "`hub_checkpoint_repo` keeps every checkpoint on the Hub."),
     ),
     "kaggle": Platform(
         name="kaggle", gpus="2 x T4 (15 GB each)", work_root="/kaggle/working/freetune-runs",
@@ -40,6 +49,10 @@ PLATFORMS = {
         # Kaggle reads `kaggle.accelerator` ("nvidiaTeslaT4" is "GPU T4 x2") and needs internet for pip.
         metadata={"kaggle": {"accelerator": "nvidiaTeslaT4", "dataSources": [], "isGpuEnabled": True,
                              "isInternetEnabled": True, "language": "python", "sourceType": "notebook"}},
+        before_run=("**On Kaggle:** Settings -> Accelerator -> **GPU T4 x2**, and Settings -> Internet **on** (the "
+                    "install cell downloads the pinned libraries), then Run all."),
+        keeps_runs=("Kaggle keeps /kaggle/working only in a saved version (Save Version); `hub_checkpoint_repo` "
+                    "keeps every checkpoint on the Hub."),
     ),
     "local": Platform(
         name="local", gpus="whatever this machine has", work_root="freetune-runs", persistent_root="freetune-runs",
@@ -99,3 +112,32 @@ def _mount_drive() -> None:
 
     if not Path("/content/drive/MyDrive").exists():
         drive.mount("/content/drive")
+
+
+def require_hub(what: str, parameter: str) -> None:
+    """Stop at once, saying what to change, when `what` must come from the Hugging Face Hub and the Hub cannot be
+    reached. Without this, each library retries each file about five times over half a minute and the error that
+    finally comes is a chain of five exceptions. Nothing is checked in offline mode (HF_HUB_OFFLINE=1): the
+    libraries then read their cache and never touch the network."""
+    from huggingface_hub import constants
+
+    if constants.is_offline_mode():
+        return
+    problem = _hub_problem(constants.ENDPOINT)
+    if problem:
+        raise FreetuneError(
+            f"Cannot reach the Hugging Face Hub ({constants.ENDPOINT}: {problem}), so {what} cannot be downloaded. "
+            f"Turn the internet on (Kaggle: Settings -> Internet on, then rerun; Colab: reconnect the runtime), "
+            f"or set `{parameter}` to a local folder or file. Files downloaded before load with HF_HUB_OFFLINE=1.")
+
+
+@functools.cache
+def _hub_problem(endpoint: str) -> str | None:
+    """None when the endpoint answers at all (any HTTP status), else why not. Asked once per process."""
+    from huggingface_hub import get_session
+
+    try:
+        get_session().head(endpoint, timeout=10)
+    except Exception as exc:  # httpx's ConnectError, ConnectTimeout, ProxyError, ...: the network failed
+        return f"{type(exc).__name__}: {str(exc).strip() or 'no answer'}"
+    return None

@@ -235,6 +235,7 @@ class Plan:
     offload_activations: bool = False  # checkpointed layers' inputs kept in pinned host memory, not on the GPU
     loss_tile_tokens: int = 0   # tokens per tile of TRL's chunked loss head (0: TRL's own, 4,096)
     checkpoint_every: int = 1   # with checkpointing on, every n-th decoder layer is checkpointed (1: all of them)
+    asked: dict = field(default_factory=dict)  # make_plan's arguments (hardware apart), for replan
     memory: MemoryEstimate | None = None
     machine: str = ""
     warnings: list = field(default_factory=list)
@@ -295,6 +296,12 @@ class Plan:
         if self.checkpoint_every > 1:
             return f"every {self.checkpoint_every} layers"
         return "on, offloaded to host memory" if self.offload_activations else "on"
+
+    def one_line(self) -> str:
+        """Batch, checkpointing and memory in one line (what a replan may change)."""
+        memory = f", ~{self.memory.total_gib:.1f} GiB" if self.memory is not None else ""
+        return (f"{self.micro_batch} x {self.grad_accum} rows per step, checkpointing {self.checkpointing_text()}, "
+                f"max_length {self.max_length}{memory}")
 
     def table(self) -> str:
         """The plan as a short plain-text table, then its warnings."""
@@ -437,7 +444,7 @@ def make_plan(hardware: Hardware | None = None, *, model_shape: ModelShape | str
               lora_targets: str | list[str] = "all-linear", gradient_checkpointing: bool | str = "auto",
               optimizer: str = "auto", force_policy: str | None = None, precision: str = "auto",
               memory_budget_gib: float | None = None, loss_head: str = "chunked", layout: str = "auto",
-              compile: str = "auto") -> Plan:
+              compile: str = "auto", longest_row: int | None = None) -> Plan:
     """Decide the training plan for this machine (read now unless `hardware` is given), each choice with its reason.
 
     model_shape: a ModelShape, a known name or hub id ('Qwen/Qwen2.5-Coder-1.5B-Instruct'), or a local model
@@ -460,8 +467,11 @@ def make_plan(hardware: Hardware | None = None, *, model_shape: ModelShape | str
         optimizer state sharded over the GPUs). "single", "ddp" or "fsdp" forces that choice.
     compile: "auto" (on a GPU, not under FSDP), "on" or "off": torch.compile each decoder layer
         (freetune.kernels.compile_layers).
+    longest_row: tokens of the data's longest row (freetune.audit counts them): the batch is sized for rows that
+        long, not for max_length (`replan` re-makes a plan with it once the data is audited).
     Raises FreetuneError for a GPU the installed torch cannot run, before anything is loaded.
     """
+    asked_for = {k: v for k, v in locals().items() if k != "hardware"}
     hardware = hardware if hardware is not None else read_hardware()
     check_gpus_supported(hardware)
     policy, reasons_compute, warnings = choose_policy(hardware, _resolve_policy(force_policy, precision))
@@ -517,7 +527,10 @@ def make_plan(hardware: Hardware | None = None, *, model_shape: ModelShape | str
     lora_kernel, reasons["lora_kernel"] = choose_lora_kernel(device, layout)
     compiled, reasons["compile"] = choose_compile(compile, device, layout)
     memory = None
-    chosen_batch, chosen_length = micro_batch or 1, max_length
+    # The memory is sized for rows as long as the data's longest (the audit counts them; replan passes it), not for
+    # max_length: short rows (an SVG set's ~150 tokens) would otherwise be planned as 1,024 each.
+    sized = min(max_length, longest_row) if longest_row else max_length
+    chosen_batch, chosen_length = micro_batch or 1, sized
     warnings_before_memory = len(warnings)
     if shape is not None and budget:
         common = dict(lora_rank=lora_rank, lora_targets=lora_targets, gradient_checkpointing=gradient_checkpointing,
@@ -529,49 +542,50 @@ def make_plan(hardware: Hardware | None = None, *, model_shape: ModelShape | str
             # A full micro-batch without recompute beats a bigger one with it only if it fits whole: batch size
             # is worth more tokens/s than the ~30% the recompute costs, so checkpointing goes only when both hold.
             whole = micro_batch or cap
-            bare = estimate(shape, max_length=max_length, micro_batch=whole,
+            bare = estimate(shape, max_length=sized, micro_batch=whole,
                             **{**common, "gradient_checkpointing": False})
             bare.budget_gib = budget
             gradient_checkpointing = not bare.fits
             common["gradient_checkpointing"] = gradient_checkpointing
             reasons["gradient_checkpointing"] = (
-                f"on: without it {whole} x {max_length} tokens would need ~{bare.total_gib:.1f} of {budget:.1f} GiB"
+                f"on: without it {whole} x {sized} tokens would need ~{bare.total_gib:.1f} of {budget:.1f} GiB"
                 if gradient_checkpointing else
-                f"off: {whole} x {max_length} tokens fit without it (~{bare.total_gib:.1f} of {budget:.1f} GiB), "
+                f"off: {whole} x {sized} tokens fit without it (~{bare.total_gib:.1f} of {budget:.1f} GiB), "
                 f"which saves recomputing every layer in the backward (~30% of a step)")
             if gradient_checkpointing and device == "cuda" and layout != "fsdp":
-                every, why = choose_checkpoint_every(shape, budget, max_length, whole, common)
+                every, why = choose_checkpoint_every(shape, budget, sized, whole, common)
                 if every > 1:
                     common["checkpoint_every"] = every
                     reasons["gradient_checkpointing"] = why
         if gradient_checkpointing and device == "cuda" and layout != "fsdp" and common.get("checkpoint_every", 1) == 1:
-            offload, reasons["offload"] = choose_offload(shape, budget, max_length, micro_batch or cap, common)
+            offload, reasons["offload"] = choose_offload(shape, budget, sized, micro_batch or cap, common)
             common["offload_activations"] = offload
         if micro_batch is None:
-            chosen_batch, chosen_length, memory, why = fit(shape, budget, max_length=max_length,
+            chosen_batch, chosen_length, memory, why = fit(shape, budget, max_length=sized,
                                                            max_micro_batch=cap, **common)
-            reasons["batch"] = f"{shape.name}: {why}"
+            reasons["batch"] = f"{shape.name}: {why}" + (
+                f" (the data's longest row; rows are cut at max_length {max_length})" if sized < max_length else "")
             if not memory.fits:
                 warnings.append(f"{shape.name} {why}")
-            elif chosen_length < max_length:
+            elif chosen_length < sized:
                 warnings.append(f"max_length lowered from {max_length} to {chosen_length} so that one row fits "
                                 f"in {budget:.1f} GiB: longer rows are cut")
         else:
-            fitted_batch, fitted_length, _, _ = fit(shape, budget, max_length=max_length,
+            fitted_batch, fitted_length, _, _ = fit(shape, budget, max_length=sized,
                                                     max_micro_batch=micro_batch, **common)
-            memory = estimate(shape, max_length=max_length, micro_batch=micro_batch, **common)
+            memory = estimate(shape, max_length=sized, micro_batch=micro_batch, **common)
             memory.budget_gib = budget
             reasons["batch"] = f"micro_batch {micro_batch} as given; ~{memory.total_gib:.1f} GiB for {shape.name}"
             if not memory.fits:
                 advice = (f"use micro_batch={fitted_batch} with grad_accum={rows_per_gpu_step // fitted_batch} "
-                          f"(same rows per step)" if fitted_length == max_length and fitted_batch < micro_batch
+                          f"(same rows per step)" if fitted_length == sized and fitted_batch < micro_batch
                           else "lower max_length or lora_rank, or pick a smaller model or a bigger GPU")
-                warnings.append(f"micro_batch {micro_batch} x {max_length} tokens needs ~{memory.total_gib:.1f} GiB "
+                warnings.append(f"micro_batch {micro_batch} x {sized} tokens needs ~{memory.total_gib:.1f} GiB "
                                 f"({memory.breakdown()}), more than {budget:.1f} GiB: {advice}")
         # DDP needs one full 4-bit copy per GPU plus one row of max_length; when even that does not fit and
         # there are several GPUs, shard the model over them instead (FSDP): each holds 1/N of the weights, the
         # LoRA gradients and the optimizer state.
-        one_row = estimate(shape, max_length=max_length, micro_batch=1, **common)
+        one_row = estimate(shape, max_length=sized, micro_batch=1, **common)
         one_row.budget_gib = budget
         if layout == "fsdp" or (asked == "auto" and layout == "ddp" and world_size > 1 and not one_row.fits):
             common["shards"] = max(world_size, 1)
@@ -579,16 +593,16 @@ def make_plan(hardware: Hardware | None = None, *, model_shape: ModelShape | str
             common["compiled"] = False  # FSDP runs eagerly (kernels.choose_compile)
             del warnings[warnings_before_memory:]  # they were about the unsharded layout
             if micro_batch is None:
-                chosen_batch, chosen_length, memory, why = fit(shape, budget, max_length=max_length,
+                chosen_batch, chosen_length, memory, why = fit(shape, budget, max_length=sized,
                                                                max_micro_batch=cap, **common)
             else:
-                memory = estimate(shape, max_length=max_length, micro_batch=micro_batch, **common)
+                memory = estimate(shape, max_length=sized, micro_batch=micro_batch, **common)
                 memory.budget_gib = budget
                 why = f"micro_batch {micro_batch} as given; ~{memory.total_gib:.1f} of {budget:.1f} GiB"
             reasons["batch"] = f"{shape.name} sharded over {world_size} GPU(s): {why}"
             if layout != "fsdp":
                 reasons["layout"] = (f"{world_size} GPUs: FSDP, because one full copy per GPU (DDP) needs "
-                                     f"~{one_row.total_gib:.1f} GiB for one row of {max_length} tokens, more than "
+                                     f"~{one_row.total_gib:.1f} GiB for one row of {sized} tokens, more than "
                                      f"{budget:.1f} GiB; sharded over {world_size}, ~{memory.total_gib:.1f} GiB each. "
                                      f"torchrun --nproc_per_node={world_size}, wrapped per decoder layer")
                 layout = "fsdp"
@@ -612,6 +626,7 @@ def make_plan(hardware: Hardware | None = None, *, model_shape: ModelShape | str
                                 f"anything else through sdpa")
     if world_size > 1:
         reasons["batch"] += f"; {world_size} GPUs x {chosen_batch} x {grad_accum_out} rows per optimizer step"
+    chosen_length = max_length if chosen_length >= sized else chosen_length  # lowered only when a row did not fit
     reasons["max_length"] = ("as given" if chosen_length == max_length else f"lowered from {max_length} to fit")
     warnings += _disk_warnings(hardware, shape)
     lora_kernel, reasons["lora_kernel"] = choose_lora_kernel(device, layout)
@@ -626,7 +641,17 @@ def make_plan(hardware: Hardware | None = None, *, model_shape: ModelShape | str
                 memory=memory, machine=machine, warnings=warnings, batching=batching, sampler=sampler,
                 gradient_checkpointing=gradient_checkpointing, lora_kernel=lora_kernel, optimizer=optimizer,
                 compile=compiled, frozen_dtype=frozen_dtype, offload_activations=offload,
-                checkpoint_every=memory.settings.get("checkpoint_every", 1) if memory is not None else 1)
+                checkpoint_every=memory.settings.get("checkpoint_every", 1) if memory is not None else 1,
+                asked=asked_for)
+
+
+def replan(plan: Plan, hardware: Hardware | None = None, **changes) -> Plan:
+    """The plan make_plan gives for the same arguments with `changes` (e.g. the data's longest_row once the audit has
+    counted it), on this machine (read now unless `hardware` is given)."""
+    asked = {**plan.asked, **changes}
+    if isinstance(asked.get("model_shape"), dict):  # a plan read back from a job file (dataclasses.asdict)
+        asked["model_shape"] = ModelShape(**asked["model_shape"])
+    return make_plan(hardware, **asked)
 
 
 def choose_frozen_dtype(policy: str, compute_dtype: str) -> tuple[str, str]:

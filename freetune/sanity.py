@@ -23,6 +23,7 @@ It exits with status 1 when the adapter's verdict is "collapsed".
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import html
 import json
@@ -434,6 +435,7 @@ def compare_model(model, tokenizer, rows, *, task: str | ModuleType | None = Non
     references = [completion_text(row) for row in rows]
     options = dict(greedy=greedy, seeds=seeds, temperature=temperature, max_new_tokens=max_new_tokens,
                    batch_size=batch_size)
+    print(f"Generating from {len(rows)} held-out prompt(s), with the adapter and without ...", flush=True)
     adapter_generations = generate(model, tokenizer, prompts, **options)
     with model.disable_adapter():
         base_generations = generate(model, tokenizer, prompts, **options)
@@ -498,6 +500,7 @@ def load_for_comparison(base_model: str | Path, adapter_dir: str | Path, plan=No
                           bnb_4bit_compute_dtype=dtype))
     else:  # bf16 matmuls are slow on most CPUs, and 4-bit brings nothing where memory is plentiful
         kwargs = dict(dtype=torch.float32)
+    print(f"Loading {base_model} with the trained adapter ...", flush=True)
     base = AutoModelForCausalLM.from_pretrained(str(base_model), **kwargs)
     try:
         model = PeftModel.from_pretrained(base, str(adapter_dir))
@@ -567,10 +570,11 @@ def main(argv: list[str] | None = None) -> int:
     from freetune.data import load_rows, normalize
 
     try:
-        rows = pick_rows(normalize(load_rows(args.data)), args.rows)
-        seeds = tuple(int(s) for s in args.seeds.split(",") if s.strip())
-        report = compare(args.base, args.adapter, rows, task=args.task, seeds=seeds,
-                         temperature=args.temperature, max_new_tokens=args.max_new_tokens)
+        with contextlib.redirect_stdout(sys.stderr):  # the progress lines; stdout holds the report alone
+            rows = pick_rows(normalize(load_rows(args.data)), args.rows)
+            seeds = tuple(int(s) for s in args.seeds.split(",") if s.strip())
+            report = compare(args.base, args.adapter, rows, task=args.task, seeds=seeds,
+                             temperature=args.temperature, max_new_tokens=args.max_new_tokens)
     except FreetuneError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

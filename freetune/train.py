@@ -17,9 +17,11 @@ import json
 import math
 import os
 import time
+import warnings
 from pathlib import Path
 
-from freetune import bnb_cpu, checkpoint, fast, kernels, tracking
+from freetune import bnb_cpu, checkpoint, fast, kernels, params, tracking
+from freetune.console import duration
 from freetune.distributed import COLLECTIVE_TIMEOUT_S, WriteTracer, check_replicas_agree, context, print0
 from freetune.errors import FreetuneError
 from freetune.model import adapter_dtype_guard
@@ -71,9 +73,10 @@ def make_config(paths: Paths, plan: Plan, *, max_steps: int, micro_batch: int, g
     if save_total_limit is None or save_total_limit < 2:
         raise FreetuneError(f"save_total_limit = {save_total_limit}: keep at least 2 checkpoints, so that a session "
                             f"lost while the newest one is written still leaves a complete one to resume from.")
-    if save_steps < 1:
-        raise FreetuneError(f"save_steps = {save_steps}: checkpoint at least every few hundred steps (e.g. 50), or a "
-                            f"lost session loses the whole run.")
+    # The parameters cell was checked against the same rules; library callers get the same messages here
+    # (max_steps aside: -1 with num_epochs trains by epochs).
+    params.require(grad_accum=grad_accum, learning_rate=learning_rate, max_length=max_length,
+                   max_grad_norm=max_grad_norm, logging_steps=logging_steps, save_steps=save_steps, seed=seed)
 
     if optimizer == "auto":
         optimizer = plan.optimizer  # the plan's choice (freetune.preflight.choose_optimizer)
@@ -217,10 +220,61 @@ class ProgressPrinter:
                 eta = (now - self.start) / done * max(total_steps - state.global_step, 0)
                 print(f"step {state.global_step:>5}/{total_steps}  loss {logs['loss']:.4f}  "
                       f"lr {logs.get('learning_rate', 0):.2e}  {rate}  {where} {used:.2f}/{peak:.2f} GiB  "
-                      f"ETA {eta / 60:5.1f} min", flush=True)
+                      f"ETA {duration(eta)}", flush=True)
                 self.last = (now, state.global_step, tokens)
 
         return _Printer()
+
+
+# fp16 AMP skips a step whose gradients overflow (the weights stay as they were) and halves its loss scale, from
+# 65,536: a few such steps at the start are the scale finding its level. A scale fallen this far (16 halvings)
+# means fp16 cannot hold these gradients at all.
+MIN_FP16_LOSS_SCALE = 1.0
+
+
+class NonFiniteGuard:
+    """A TrainerCallback that stops the run at the first log step whose loss (or gradient norm) is NaN or inf, and
+    keeps that step from being saved. The values are the ones the log step already copied to the host: no sync of
+    its own (the Trainer's per-micro-batch NaN filter is off for that reason, see make_config). Under fp16 AMP an
+    infinite gradient norm is a skipped step, a problem only once the loss scale has collapsed. `.reason` says
+    what it saw (None: nothing)."""
+
+    def __new__(cls):
+        from transformers import TrainerCallback
+
+        class _Guard(TrainerCallback):
+            reason: str | None = None
+
+            def on_log(self, args, state, control, logs=None, optimizer=None, **kwargs):
+                logs = logs or {}
+                loss, norm = logs.get("loss"), logs.get("grad_norm")
+                bad = [f"the loss is {loss}"] if loss is not None and not math.isfinite(loss) else []
+                if norm is not None and not math.isfinite(norm):
+                    scaler = getattr(optimizer, "scaler", None)  # accelerate's AcceleratedOptimizer under fp16
+                    scale = scaler.get_scale() if scaler is not None and scaler.is_enabled() else None
+                    if scale is None or scale < MIN_FP16_LOSS_SCALE:
+                        bad.append(f"the gradient norm is {norm}" +
+                                   (f" with fp16's loss scale down to {scale:g}" if scale is not None else ""))
+                if bad and self.reason is None:
+                    self.reason = f"at step {state.global_step} " + " and ".join(bad)
+                    control.should_training_stop = True
+                    control.should_save = False  # the log comes before the save of the same step
+                return control
+
+        return _Guard()
+
+
+def nonfinite_advice(problem: str, config, checkpoints_dir: str) -> str:
+    """What stopped the run, what was kept, and what to change."""
+    kept = checkpoint.latest_complete(checkpoints_dir)
+    kept_text = (f"The newest good checkpoint, {kept.name}, is kept" if kept else
+                 "No checkpoint was saved before it")
+    lr = config.learning_rate
+    fp16 = (" This run computes in fp16, whose largest number is 65,504: on a GPU with bf16 (Ampere or newer: A100, "
+            "L4, A10, RTX 30xx/40xx; a T4 has none) set precision='bf16'." if config.fp16 else "")
+    return (f"Training stopped: {problem} (the numbers overflowed). {kept_text}; nothing after it was saved, and no "
+            f"adapter was written. Lower learning_rate (now {lr:g}; try {lr / 4:g}).{fp16} Then run again with a new "
+            f"run_name (a resume goes on with the learning rate its checkpoint was saved with).")
 
 
 def train(model, tokenizer, train_dataset, config, *, paths: Paths, eval_dataset=None, resume: bool = True,
@@ -255,11 +309,15 @@ def train(model, tokenizer, train_dataset, config, *, paths: Paths, eval_dataset
         raise FreetuneError(f"{paths.checkpoints} holds checkpoints of an earlier run and resume is off: new ones "
                             f"would mix with them. Change run_name to start fresh, or resume.")
     stopper = checkpoint.stop_callback(budget_s, budget_text)
+    guard = NonFiniteGuard()
+    print0(f"Preparing {len(train_dataset):,} rows for training (tokenising, masking what is not trained on, "
+           f"cutting to max_length) ...")
     # fast.trainer_class: TRL's per-micro-batch metric syncs happen once per log step instead.
     trainer = checkpoint.trainer_class(fast.trainer_class(SFTTrainer))(
         model=model, args=config, train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=tokenizer,
         callbacks=[adapter_dtype_guard(),  # LoRA stays fp32: TRL casts it to bf16, fatal on a T4
-                   ProgressPrinter(config.max_steps), tracking.overfit_watch(), stopper, *extra_callbacks], hub=hub)
+                   ProgressPrinter(config.max_steps), guard, tracking.overfit_watch(), stopper, *extra_callbacks],
+        hub=hub)
     from transformers.trainer_callback import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)  # it prints raw log dicts; ProgressPrinter prints one clean line
@@ -284,6 +342,9 @@ def train(model, tokenizer, train_dataset, config, *, paths: Paths, eval_dataset
     resume_from = checkpoint.agree_on_resume(paths.checkpoints, config.max_steps, hub) if resume else None
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
+    # make_config's ddp_broadcast_buffers=False is meant: torch 2.13 deprecates the name for forward_sync_buffers,
+    # which the older torch of Colab and Kaggle does not have.
+    warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
     start = time.time()
     try:
         with checkpoint.sigterm_stops(stopper):
@@ -293,6 +354,11 @@ def train(model, tokenizer, train_dataset, config, *, paths: Paths, eval_dataset
             hub.close()
         kernels.uncompile_layers(trainer.model)  # the model may go on to generate: eager layers for that
     wall = time.time() - start
+    problem = guard.reason or trainer.nonfinite_weights_at
+    if problem is None and not checkpoint.weights_finite(trainer.model):  # overflowed after the last log step
+        problem = f"after step {trainer.state.global_step} the adapter's weights hold NaN or inf"
+    if problem:
+        raise FreetuneError(nonfinite_advice(problem, config, paths.checkpoints))
     sharded = bool(getattr(config, "fsdp", None))
     if sharded:
         # FSDP keeps one copy of the adapter, split over the ranks: there are no replicas to compare (each rank's
@@ -372,7 +438,7 @@ def show_summary(paths: Paths) -> dict:
     if summary.get("resumed_from"):
         session = f" ({summary.get('steps_this_session')} of them in this session, from {summary['resumed_from']})"
     rate = f"{summary['tokens_per_s']} tok/s" if summary.get("tokens_per_s") else "no step trained in this session"
-    print(f"Trained {summary['steps']} steps{session} in {summary['wall_s'] / 60:.1f} min on {summary['world_size']} "
+    print(f"Trained {summary['steps']} steps{session} in {duration(summary['wall_s'])} on {summary['world_size']} "
           f"process(es): {summary['tokens']:,} tokens ({rate}), peak "
           f"{summary['peak_memory_of']} {summary['peak_memory_gib']:.2f} GiB, loss {summary['first_loss']:.4f} -> "
           f"{summary['last_loss']:.4f}. Adapter: {summary['adapter']}")

@@ -11,12 +11,18 @@
 # ---
 
 # %% [markdown]
-# # Home Assistant: Qwen3-8B turns requests into JSON actions, on Kaggle's two T4s
+# # Home Assistant: Qwen3-8B turns requests into JSON actions
 #
 # **What it trains:** a LoRA adapter on Qwen3-8B in 4-bit so that "turn off the kitchen light" becomes
 # `{"domain": "light", "service": "turn_off", "target": {"entity_id": "light.kitchen_light"}, "data": {}}`,
 # naming only devices the home actually has. Data: a Home Assistant requests -> JSON action set as chat
 # `messages` (tuxevil/Home-Assistant-Requests-V3 by default, 3,561 training examples).
+
+# %% [markdown] tags=["colab"]
+# **GPU:** Colab's T4: one 4-bit copy of the model, about 6 GB; each step trains on 8 rows (1 row x 8
+# accumulation steps). The Kaggle notebook of this recipe trains on two T4s at once, 16 rows a step.
+
+# %% [markdown] tags=["kaggle"]
 # **GPU:** Kaggle "GPU T4 x2": the training cells run as `train_ddp.py` under `torchrun`, one full 4-bit copy
 # of the model per GPU (DDP), global batch 16 = 2 GPUs x 1 row x 8 accumulation steps. About 6 GB per T4.
 #
@@ -26,44 +32,60 @@
 # exchange the small LoRA gradients, so two GPUs do about twice the work.
 
 # %% tags=["parameters"]
-model_id: str = "Qwen/Qwen3-8B"  # hub id or local folder; a pre-quantised 4-bit copy of Qwen3-8B loads faster
+# Model and data
+model_id: str = "Qwen/Qwen3-8B"  # hub id or local folder; a pre-quantised 4-bit copy loads faster
 dataset: str = "tuxevil/Home-Assistant-Requests-V3"  # hub id or local file with chat `messages`
 dataset_split: str = "train"  # which split of the hub data set to read
-columns: dict = {}  # map your columns to freetune's, e.g. {"messages": "conversation"}
-system_prompt: str = ""  # prepended to rows without a system turn; the rows carry the home's devices already
+columns: dict = {}  # your columns -> ours, e.g. {"messages": "conversation"}
+# the rows carry the home's devices in their own system turn already
+system_prompt: str = ""  # prepended to rows without a system turn
 chat_template: str = "auto"  # "auto": the model's own; else "chatml", "llama3" or "zephyr"
-eval_rows: int = 16  # rows held out (never trained on) for the base-vs-adapter check at the end
-eval_steps: int = 25  # held-out (eval) loss every N steps, in the progress and the plot; 0: never
-max_steps: int = 200  # optimizer steps; each sees micro_batch x grad_accum x GPUs rows (global 16 on T4 x2)
-micro_batch: int = 1  # rows per GPU per forward pass; 8B on a T4 leaves room for 1 at 1,024 tokens (0: auto)
-grad_accum: int = 8  # micro-batches summed per optimizer step; raises the batch without raising memory
-learning_rate: float = 1e-4  # lower than for small models: an 8B model moves further per step
-max_length: int = 1024  # tokens per row; the device list makes prompts long (the audit shows the lengths)
-lora_rank: int = 16  # adapter capacity (r16 on all linear layers: 43.6 M trainable parameters on Qwen3-8B)
+auto_clean: bool = True  # drop the rows the audit flags (invalid JSON, unknown entities, repeats)
+accept_data_problems: bool = False  # True: train even if blocking problems remain (you have looked)
+
+# LoRA
+lora_rank: int = 16  # adapter capacity (r16 on all linear layers of Qwen3-8B: 43.6 M weights)
 lora_alpha: int = 32  # adapter scale; 2 x rank is the usual choice
 lora_dropout: float = 0.05  # regularises small data sets; 0 for large ones
-lora_targets: str = "all-linear"  # which layers get an adapter; all linear layers learns best per parameter
-optimizer: str = "auto"  # "auto": fused AdamW where its fp32 state is small next to the GPU memory (faster), else "paged_adamw_8bit" (a quarter of the state)
+lora_targets: str = "all-linear"  # layers to adapt; all linear layers learn best per parameter
+
+# Training
+max_steps: int = 200  # optimizer steps, each of micro_batch x grad_accum x GPUs rows (16 on T4 x2)
+micro_batch: int = 1  # rows per GPU per forward; 8B on a T4 leaves room for 1 at 1,024 (0: auto)
+grad_accum: int = 8  # micro-batches summed per step: a larger batch without more memory
+learning_rate: float = 1e-4  # lower than for small models: an 8B model moves further per step
+max_length: int = 1024  # tokens per row; the device list makes prompts long (see the audit)
+# fused AdamW is faster, 8-bit paged AdamW keeps a quarter of the optimizer state
+optimizer: str = "auto"  # "auto": fused AdamW when its state fits easily, else "paged_adamw_8bit"
 max_grad_norm: float = 1.0  # gradient clipping; lower (0.3) steadies small batches
-gradient_checkpointing: str = "auto"  # recompute activations in backward (~30% slower, far less memory): "auto" turns it off when the batch fits without it; "on" or "off" forces it
-precision: str = "auto"  # "auto" picks from the GPU; "fp16" forces the T4 policy, "bf16" the Ampere+ one
-torch_compile: str = "auto"  # compile each decoder layer (faster steps and less memory after a minute or two of compiling): "auto" is on for a GPU; "off" runs eagerly
-save_steps: int = 25  # checkpoint every N steps, so a stopped session resumes instead of restarting
-time_budget_min: float = 0  # stop and save a checkpoint after this many minutes; 0: 1 h before the platform's limit (Colab/Kaggle 12 h), none locally
-hub_checkpoint_repo: str = ""  # private Hub repo that receives every checkpoint, so a new session can resume from it; needs HF_TOKEN
+# recomputes activations in the backward: slower steps, far less memory
+gradient_checkpointing: str = "auto"  # "auto": on if the batch needs it (~30% slower); "on", "off"
+precision: str = "auto"  # "auto" picks from the GPU; "fp16" forces the T4 policy, "bf16" Ampere's
+# compiling takes a minute or two at the start; "off" runs eagerly
+torch_compile: str = "auto"  # compile decoder layers (faster, less memory); "auto": on for a GPU
 logging_steps: int = 5  # print progress (loss, tokens/s, memory, ETA) every N steps
 report_to: str = "none"  # also log to "tensorboard" or "trackio" (files in the run folder)
-output_dir: str = ""  # empty: the platform's default (Kaggle /kaggle/working, Colab /content or Drive)
-run_name: str = "home-assistant"  # folder name of this run; reuse it to resume, change it to start fresh
-use_drive: bool = False  # Colab: keep checkpoints on Google Drive so they outlive the session
-auto_clean: bool = True  # drop the rows the audit flags (invalid JSON, unknown entities, junk repeats)
-accept_data_problems: bool = False  # True: train even if blocking data problems remain (you have looked)
-ddp_processes: int = 0  # torchrun processes to start, 0 means one per visible GPU (2 on Kaggle T4 x2)
+ddp_processes: int = 0  # torchrun processes to start; 0: one per visible GPU (2 on T4 x2)
+seed: int = 0  # data order, held-out rows and LoRA initialisation
+
+# Checkpoints
+save_steps: int = 25  # checkpoint every N steps, so a stopped session resumes, not restarts
+# Colab's and Kaggle's sessions end after 12 h; locally 0 means no budget
+time_budget_min: float = 0  # stop and save after N minutes; 0: 1 h before the 12 h session limit
+hub_checkpoint_repo: str = ""  # private Hub repo for checkpoints (resume anywhere); needs HF_TOKEN
+output_dir: str = ""  # empty: the platform's default (Kaggle /kaggle/working, Colab /content)
+run_name: str = "home-assistant"  # this run's folder; reuse it to resume, change it to start anew
+use_drive: bool = False  # Colab: keep the run folder on Google Drive so it outlives the session
+
+# Evaluation
+eval_rows: int = 16  # rows held out (never trained on) for the base-vs-adapter check at the end
+eval_steps: int = 25  # held-out (eval) loss every N steps, in the progress and the plot; 0: never
 sanity_rows: int = 8  # requests generated from, base vs adapter, in the evaluation
 max_new_tokens: int = 128  # generation length in the evaluation; one JSON action is short
-export_gguf: bool = False  # merge the adapter into a 16-bit copy and convert it to GGUF for llama.cpp / Ollama
-hub_repo: str = ""  # push the adapter (and GGUF) to this private Hub repo, e.g. "you/svg-coder"; needs HF_TOKEN
-seed: int = 0  # data order, held-out rows and LoRA initialisation
+
+# Export
+export_gguf: bool = False  # merge into a 16-bit copy and convert to GGUF for llama.cpp / Ollama
+hub_repo: str = ""  # private Hub repo to push the adapter to, e.g. "you/home-assistant"; HF_TOKEN
 
 # %% tags=["install"]
 # Replaced in each notebook by build_notebooks.py with that platform's pinned install.
@@ -123,8 +145,7 @@ freetune.data.save_prepared(paths.data, train_rows, held_out)
 # ## Model
 # The base model is loaded in 4-bit NF4 (about 0.5 byte per weight), frozen, and a small LoRA adapter is
 # trained on top. Its non-quantised weights load in the plan's dtype, not the checkpoint's: a T4 must not
-# get bfloat16 weights. On several GPUs each process loads a full copy on its own GPU (DDP): splitting the
-# layers across GPUs (`device_map="auto"`) would run them one after another, no faster than one GPU.
+# get bfloat16 weights.
 
 # %% tags=["train"]
 dist = freetune.distributed.init()

@@ -15,51 +15,72 @@
 #
 # **What it trains:** a LoRA adapter (QLoRA: 4-bit base model, 16-bit adapter) on
 # [thesantatitan/deepseek-svg-dataset](https://huggingface.co/datasets/thesantatitan/deepseek-svg-dataset):
-# a description goes in, SVG code comes out. **GPU:** one T4 (Colab's free tier) is enough: about 6 GB at
-# the defaults. On Kaggle's T4 x2 the training runs on both GPUs at once (DDP).
-#
+# a description goes in, SVG code comes out. **GPU:** one T4 is enough: about 6 GB at the defaults.
+
+# %% [markdown] tags=["kaggle"]
+# On Kaggle's T4 x2 the training runs on both GPUs at once (DDP): a copy of the model on each, each
+# training on its own rows, so two GPUs do about twice the work of one.
+
+# %% [markdown]
 # The story, the same in every freetune recipe: parameters -> install -> preflight -> data audit -> model ->
 # train -> evaluate -> export. Change the parameters cell, then run everything.
 
 # %% tags=["parameters"]
-model_id: str = "Qwen/Qwen2.5-Coder-1.5B-Instruct"  # hub id or local folder; a bigger model draws better, needs more VRAM
-dataset: str = "thesantatitan/deepseek-svg-dataset"  # hub id or local .jsonl/.parquet/.csv with prompt/completion
+# Model and data
+model_id: str = "Qwen/Qwen2.5-Coder-1.5B-Instruct"  # hub id or local folder; bigger draws better
+dataset: str = "thesantatitan/deepseek-svg-dataset"  # hub id or local file with prompt/completion
 dataset_split: str = "train"  # which split of the hub data set to read
-columns: dict = {}  # map your columns to freetune's, e.g. {"prompt": "description", "completion": "svg"}
-system_prompt: str = "You are an SVG artist. Answer with one complete SVG document and nothing else."  # shown to the model in every row
+columns: dict = {}  # your columns -> ours, e.g. {"prompt": "description", "completion": "svg"}
+system_prompt: str = (
+    "You are an SVG artist. Answer with one complete SVG document and nothing else."
+)  # shown to the model in every row
 chat_template: str = "auto"  # "auto": the model's own; else "chatml", "llama3" or "zephyr"
-eval_rows: int = 16  # rows held out (never trained on) for the base-vs-adapter check at the end
-eval_steps: int = 50  # held-out (eval) loss every N steps, in the progress and the plot; 0: never
-max_steps: int = 300  # optimizer steps; each sees micro_batch x grad_accum x GPUs rows (~40 min on a T4)
-micro_batch: int = 0  # rows per GPU per forward pass; 0 means the largest that fits (preflight picks; far faster than 1)
-grad_accum: int = 8  # rows per GPU per optimizer step when micro_batch is 0; else micro-batches per step
-learning_rate: float = 2e-4  # LoRA tolerates a higher rate than full fine-tuning; lower it if the loss spikes
-max_length: int = 1024  # tokens per row; longer rows are cut (the audit shows how many), memory grows with it
+auto_clean: bool = True  # drop the rows the audit flags (empty, junk repeats, invalid SVG)
+accept_data_problems: bool = False  # True: train even if blocking problems remain (you have looked)
+
+# LoRA
 lora_rank: int = 16  # adapter capacity: higher learns more, costs memory and time
 lora_alpha: int = 32  # adapter scale; 2 x rank is the usual choice
 lora_dropout: float = 0.05  # regularises small data sets; 0 for large ones
-lora_targets: str = "all-linear"  # which layers get an adapter; all linear layers learns best per parameter
-optimizer: str = "auto"  # "auto": fused AdamW where its fp32 state is small next to the GPU memory (faster), else "paged_adamw_8bit" (a quarter of the state)
+lora_targets: str = "all-linear"  # layers to adapt; all linear layers learn best per parameter
+
+# Training
+max_steps: int = 300  # optimizer steps, each of micro_batch x grad_accum x GPUs rows (~40 min, T4)
+micro_batch: int = 0  # rows per GPU per forward; 0: preflight picks the largest that fits (fastest)
+grad_accum: int = 8  # rows per GPU per step when micro_batch is 0; else micro-batches per step
+learning_rate: float = 2e-4  # higher than for full fine-tuning; lower it if the loss spikes
+max_length: int = 1024  # tokens per row; longer rows are cut (the audit counts them); memory grows
+# fused AdamW is faster, 8-bit paged AdamW keeps a quarter of the optimizer state
+optimizer: str = "auto"  # "auto": fused AdamW when its state fits easily, else "paged_adamw_8bit"
 max_grad_norm: float = 1.0  # gradient clipping; lower (0.3) steadies small batches
-gradient_checkpointing: str = "auto"  # recompute activations in backward (~30% slower, far less memory): "auto" turns it off when the batch fits without it; "on" or "off" forces it
-precision: str = "auto"  # "auto" picks from the GPU; "fp16" forces the T4 policy, "bf16" the Ampere+ one
-torch_compile: str = "auto"  # compile each decoder layer (faster steps and less memory after a minute or two of compiling): "auto" is on for a GPU; "off" runs eagerly
-save_steps: int = 50  # checkpoint every N steps, so a lost session resumes instead of restarting
-time_budget_min: float = 0  # stop and save a checkpoint after this many minutes; 0: 1 h before the platform's limit (Colab/Kaggle 12 h), none locally
-hub_checkpoint_repo: str = ""  # private Hub repo that receives every checkpoint, so a new session can resume from it; needs HF_TOKEN
+# recomputes activations in the backward: slower steps, far less memory
+gradient_checkpointing: str = "auto"  # "auto": on if the batch needs it (~30% slower); "on", "off"
+precision: str = "auto"  # "auto" picks from the GPU; "fp16" forces the T4 policy, "bf16" Ampere's
+# compiling takes a minute or two at the start; "off" runs eagerly
+torch_compile: str = "auto"  # compile decoder layers (faster, less memory); "auto": on for a GPU
 logging_steps: int = 5  # print progress (loss, tokens/s, memory, ETA) every N steps
 report_to: str = "none"  # also log to "tensorboard" or "trackio" (files in the run folder)
-output_dir: str = ""  # empty: the platform's default (Kaggle /kaggle/working, Colab /content or Drive)
-run_name: str = "svg-coder"  # folder name of this run; reuse it to resume, change it to start fresh
-use_drive: bool = False  # Colab: keep checkpoints on Google Drive so they outlive the session
-auto_clean: bool = True  # drop the rows the audit flags (empty, junk repeats, invalid SVG) before training
-accept_data_problems: bool = False  # True: train even if blocking data problems remain (you have looked)
-ddp_processes: int = 0  # Kaggle/torchrun: processes to start, 0 means one per visible GPU
+ddp_processes: int = 0  # Kaggle/torchrun: processes to start; 0 means one per visible GPU
+seed: int = 0  # data order, held-out rows and LoRA initialisation
+
+# Checkpoints
+save_steps: int = 50  # checkpoint every N steps, so a lost session resumes instead of restarting
+# Colab's and Kaggle's sessions end after 12 h; locally 0 means no budget
+time_budget_min: float = 0  # stop and save after N minutes; 0: 1 h before the 12 h session limit
+hub_checkpoint_repo: str = ""  # private Hub repo for checkpoints (resume anywhere); needs HF_TOKEN
+output_dir: str = ""  # empty: the platform's default (Kaggle /kaggle/working, Colab /content)
+run_name: str = "svg-coder"  # this run's folder; reuse it to resume, change it to start fresh
+use_drive: bool = False  # Colab: keep the run folder on Google Drive so it outlives the session
+
+# Evaluation
+eval_rows: int = 16  # rows held out (never trained on) for the base-vs-adapter check at the end
+eval_steps: int = 50  # held-out (eval) loss every N steps, in the progress and the plot; 0: never
 sanity_rows: int = 6  # prompts generated from, base vs adapter, in the evaluation
 max_new_tokens: int = 512  # generation length in the evaluation; SVGs need a few hundred tokens
-export_gguf: bool = False  # merge the adapter into a 16-bit copy and convert it to GGUF for llama.cpp / Ollama
-hub_repo: str = ""  # push the adapter (and GGUF) to this private Hub repo, e.g. "you/svg-coder"; needs HF_TOKEN
-seed: int = 0  # data order, held-out rows and LoRA initialisation
+
+# Export
+export_gguf: bool = False  # merge into a 16-bit copy and convert to GGUF for llama.cpp / Ollama
+hub_repo: str = ""  # private Hub repo to push the adapter to, e.g. "you/svg-coder"; needs HF_TOKEN
 
 # %% tags=["install"]
 # Replaced in each notebook by build_notebooks.py with that platform's pinned install.
@@ -120,8 +141,11 @@ freetune.data.save_prepared(paths.data, train_rows, held_out)
 # ## Model
 # The base model is loaded in 4-bit NF4 (about 0.5 byte per weight), frozen, and a small LoRA adapter is
 # trained on top. Its non-quantised weights load in the plan's dtype, not the checkpoint's: a T4 must not
-# get bfloat16 weights. On several GPUs each process loads a full copy on its own GPU (DDP): splitting the
-# layers across GPUs (`device_map="auto"`) would run them one after another, no faster than one GPU.
+# get bfloat16 weights.
+
+# %% [markdown] tags=["kaggle"]
+# On several GPUs each process loads a full copy on its own GPU (DDP): splitting the layers across GPUs
+# (`device_map="auto"`) would run them one after another, no faster than one GPU.
 
 # %% tags=["train"]
 dist = freetune.distributed.init()
@@ -170,7 +194,8 @@ comparison
 # Side by side: prompt, base model, adapter, reference (a box says so where an answer does not render).
 from IPython.display import Image
 
-Image(filename=str(freetune.tasks.svg.side_by_side_png(comparison.examples(), f"{paths.reports}/side_by_side.png")))
+grid = freetune.tasks.svg.side_by_side_png(comparison.examples(), f"{paths.reports}/side_by_side.png")
+Image(filename=str(grid), retina=True)  # drawn at twice the pixels, shown at half: sharp on any screen
 
 # %% [markdown]
 # ## Try it

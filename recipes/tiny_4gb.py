@@ -19,45 +19,66 @@
 # one row per step with 8 accumulation steps, paged 8-bit AdamW, gradient checkpointing and gradient clipping
 # at 0.3 keep the peak under 3.75 GiB; GPU memory is printed at every log step so you see the headroom.
 
+# %% [markdown] tags=["colab"]
+# On Colab's T4 (16 GB) it runs as it is; `gpu_memory_cap_gib = 4.0` shows what a 4 GB card goes through.
+
+# %% [markdown] tags=["kaggle"]
+# On Kaggle's T4 x2 it trains on both GPUs at once (DDP), a copy of the model on each;
+# `gpu_memory_cap_gib = 4.0` holds each GPU to what a 4 GB card has.
+
 # %% tags=["parameters"]
-model_id: str = "TinyLlama/TinyLlama-1.1B-Chat-v1.0"  # hub id or local folder; 1.1B is what fits 4 GB with room
+# Model and data
+model_id: str = "TinyLlama/TinyLlama-1.1B-Chat-v1.0"  # hub id or local folder; 1.1B fits 4 GB
 dataset: str = "yahma/alpaca-cleaned"  # hub id or local file
 dataset_split: str = "train"  # which split of the hub data set to read
-columns: dict = {}  # Alpaca's instruction/input/output are read as they are; map other names here
+columns: dict = {}  # Alpaca's instruction/input/output are read as they are; map others
 system_prompt: str = "You are a helpful assistant."  # shown to the model in every row
 chat_template: str = "auto"  # "auto": the model's own; else "chatml", "llama3" or "zephyr"
-eval_rows: int = 16  # rows held out (never trained on) for the base-vs-adapter check at the end
-eval_steps: int = 50  # held-out (eval) loss every N steps, in the progress and the plot; 0: never
-max_steps: int = 200  # optimizer steps; each sees micro_batch x grad_accum rows
-micro_batch: int = 1  # one row per forward pass: the activation memory of a 4 GB card allows no more
-grad_accum: int = 8  # 8 rows per optimizer step without 8 rows of activations in memory
-learning_rate: float = 2e-4  # LoRA tolerates a higher rate than full fine-tuning; lower it if the loss spikes
-max_length: int = 512  # tokens per row; memory grows with it (the audit shows how many rows are cut)
+auto_clean: bool = True  # drop the rows the audit flags (empty, junk repeats) before training
+accept_data_problems: bool = False  # True: train even if blocking problems remain (you have looked)
+
+# LoRA
 lora_rank: int = 8  # small adapter: fewer trainable weights, less optimizer memory
 lora_alpha: int = 16  # adapter scale; 2 x rank is the usual choice
 lora_dropout: float = 0.05  # regularises small data sets; 0 for large ones
-lora_targets: str = "all-linear"  # which layers get an adapter; all linear layers learns best per parameter
-optimizer: str = "paged_adamw_8bit"  # 8-bit state, paged to CPU memory under pressure instead of crashing
+lora_targets: str = "all-linear"  # layers to adapt; all linear layers learn best per parameter
+
+# Training
+max_steps: int = 200  # optimizer steps; each sees micro_batch x grad_accum rows
+micro_batch: int = 1  # one row per forward pass: the activation memory of 4 GB allows no more
+grad_accum: int = 8  # 8 rows per optimizer step without 8 rows of activations in memory
+learning_rate: float = 2e-4  # higher than for full fine-tuning; lower it if the loss spikes
+max_length: int = 512  # tokens per row; memory grows with it (the audit counts the rows cut)
+# fused AdamW is faster, 8-bit paged AdamW keeps a quarter of the optimizer state
+optimizer: str = "paged_adamw_8bit"  # 8-bit state, paged to CPU memory under pressure, no crash
 max_grad_norm: float = 0.3  # tight clipping: batch-1 gradients are noisy
-gradient_checkpointing: str = "auto"  # recompute activations in backward (~30% slower, far less memory): "auto" turns it off when the batch fits without it; "on" or "off" forces it
-precision: str = "auto"  # "auto" picks from the GPU; "fp16" forces the T4/Turing policy, "bf16" Ampere's
-gpu_memory_cap_gib: float = 0.0  # emulate a smaller card on a bigger one (e.g. 4.0); 0 means no cap
-save_steps: int = 50  # checkpoint every N steps, so a crash resumes instead of restarting
-time_budget_min: float = 0  # stop and save a checkpoint after this many minutes; 0: 1 h before the platform's limit (Colab/Kaggle 12 h), none locally
-hub_checkpoint_repo: str = ""  # private Hub repo that receives every checkpoint, so a new session can resume from it; needs HF_TOKEN
+# recomputes activations in the backward: slower steps, far less memory
+gradient_checkpointing: str = "auto"  # "auto": on if the batch needs it (~30% slower); "on", "off"
+precision: str = "auto"  # "auto" picks from the GPU; "fp16" forces the T4 policy, "bf16" Ampere's
+gpu_memory_cap_gib: float = 0.0  # emulate a smaller card on a bigger one (e.g. 4.0); 0: no cap
 logging_steps: int = 1  # print progress and GPU memory at every step: the point of this recipe
 report_to: str = "none"  # also log to "tensorboard" or "trackio" (files in the run folder)
-output_dir: str = ""  # empty: the platform's default (Kaggle /kaggle/working, Colab /content or Drive)
-run_name: str = "tiny-4gb"  # folder name of this run; reuse it to resume, change it to start fresh
-use_drive: bool = False  # Colab: keep checkpoints on Google Drive so they outlive the session
-auto_clean: bool = True  # drop the rows the audit flags (empty, junk repeats) before training
-accept_data_problems: bool = False  # True: train even if blocking data problems remain (you have looked)
-ddp_processes: int = 0  # torchrun processes to start, 0 means one per visible GPU
+ddp_processes: int = 0  # torchrun processes to start; 0 means one per visible GPU
+seed: int = 0  # data order, held-out rows and LoRA initialisation
+
+# Checkpoints
+save_steps: int = 50  # checkpoint every N steps, so a crash resumes instead of restarting
+# Colab's and Kaggle's sessions end after 12 h; locally 0 means no budget
+time_budget_min: float = 0  # stop and save after N minutes; 0: 1 h before the 12 h session limit
+hub_checkpoint_repo: str = ""  # private Hub repo for checkpoints (resume anywhere); needs HF_TOKEN
+output_dir: str = ""  # empty: the platform's default (Kaggle /kaggle/working, Colab /content)
+run_name: str = "tiny-4gb"  # this run's folder; reuse it to resume, change it to start fresh
+use_drive: bool = False  # Colab: keep the run folder on Google Drive so it outlives the session
+
+# Evaluation
+eval_rows: int = 16  # rows held out (never trained on) for the base-vs-adapter check at the end
+eval_steps: int = 50  # held-out (eval) loss every N steps, in the progress and the plot; 0: never
 sanity_rows: int = 6  # prompts generated from, base vs adapter, in the evaluation
 max_new_tokens: int = 128  # generation length in the evaluation
-export_gguf: bool = False  # merge the adapter into a 16-bit copy and convert it to GGUF for llama.cpp / Ollama
-hub_repo: str = ""  # push the adapter (and GGUF) to this private Hub repo, e.g. "you/svg-coder"; needs HF_TOKEN
-seed: int = 0  # data order, held-out rows and LoRA initialisation
+
+# Export
+export_gguf: bool = False  # merge into a 16-bit copy and convert to GGUF for llama.cpp / Ollama
+hub_repo: str = ""  # private Hub repo to push the adapter to, e.g. "you/tiny-4gb"; needs HF_TOKEN
 
 # %% tags=["install"]
 # Replaced in each notebook by build_notebooks.py with that platform's pinned install.
@@ -116,8 +137,11 @@ freetune.data.save_prepared(paths.data, train_rows, held_out)
 # ## Model
 # The base model is loaded in 4-bit NF4 (about 0.5 byte per weight), frozen, and a small LoRA adapter is
 # trained on top. Its non-quantised weights load in the plan's dtype, not the checkpoint's: a T4 must not
-# get bfloat16 weights. On several GPUs each process loads a full copy on its own GPU (DDP): splitting the
-# layers across GPUs (`device_map="auto"`) would run them one after another, no faster than one GPU.
+# get bfloat16 weights.
+
+# %% [markdown] tags=["kaggle"]
+# On several GPUs each process loads a full copy on its own GPU (DDP): splitting the layers across GPUs
+# (`device_map="auto"`) would run them one after another, no faster than one GPU.
 
 # %% tags=["train"]
 dist = freetune.distributed.init()

@@ -68,7 +68,7 @@ def build_random_model(out_dir: Path, config_values: dict, model_type: str, devi
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(model_type, **config_values, torch_dtype="bfloat16")
+    config = AutoConfig.for_model(model_type, **config_values, dtype="bfloat16")
     torch.manual_seed(0)
     with torch.device(device):  # initialising a billion weights on a GPU takes seconds, on a CPU minutes
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)

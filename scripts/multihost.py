@@ -34,12 +34,6 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 
-def parse_value(text: str):
-    from run_recipe import parse_value as parse
-
-    return parse(text)
-
-
 def prepare(recipe: str, parameters: dict, out: Path, *, nnodes: int = 1, nproc: int = 1) -> tuple[Path, Path]:
     """Run the Kaggle notebook's cells before its training script (as papermill would), write train_ddp.py and
     the job file; returns (script, job_file)."""
@@ -114,15 +108,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=None, help="stop this host's torchrun after N seconds")
     args = parser.parse_args(argv)
 
+    from run_recipe import embedded_parameters, parse_parameters
+
     out = Path(args.out).resolve()
     rdzv_id = args.rdzv_id or args.recipe.replace("_", "-")
     parameters = {}
     if args.embedded:
-        from run_recipe import embedded_parameters
-
         parameters = embedded_parameters(args.recipe)
     parameters.setdefault("output_dir", str(out / "runs"))
-    parameters.update({name: parse_value(value) for name, value in args.parameter})
+    parameters.update(parse_parameters(args.parameter))  # relative paths: from this folder, not --out
 
     if not (args.run or args.prepare):
         flags = " ".join(f"-p {shlex.quote(n)} {shlex.quote(v)}" for n, v in args.parameter)

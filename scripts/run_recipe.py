@@ -6,6 +6,9 @@
 
 Writes <out>/<recipe>-<target>.ipynb (the executed notebook) and <out>/<recipe>-<target>.json: status, steps,
 first/last loss, wall time, peak memory, adapter path. Exits non-zero naming the failing cell and its error.
+While it runs, each cell's heading (or first statement) and the notebook's printed output (the step lines, the
+audit) stream to this terminal. The kernel runs in <out>; relative paths given with -p (dataset, model_id,
+output_dir) are taken from the folder this command runs in.
 `--embedded` builds (once, cached) a tiny model of the recipe's architecture with Qwen's real tokenizer, and
 points the recipe at the sample data bundled in freetune/sample_data, with settings sized for a CPU.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -33,6 +37,13 @@ CPU_SIZED = {"max_steps": 8, "micro_batch": 2, "grad_accum": 1, "max_length": 25
              "max_new_tokens": 32}
 
 
+# Parameters that may name a local file or folder. The kernel's working folder is --out, not the caller's.
+PATH_PARAMETERS = ("dataset", "model_id", "output_dir")
+# The summary line's fields from the run's run_summary.json; steps_this_session is 0 for a rerun that trained nothing.
+SHOWN = ("steps", "steps_this_session", "resumed_from", "stopped_early", "first_loss", "last_loss", "peak_memory_gib",
+         "adapter")
+
+
 def parse_value(text: str):
     """-p values: Python/JSON literals (5, 0.1, True, {"a": 1}); anything else is a string."""
     for parse in (ast.literal_eval, json.loads):
@@ -41,6 +52,23 @@ def parse_value(text: str):
         except (ValueError, SyntaxError):
             continue
     return text
+
+
+def parse_parameters(pairs: list[tuple[str, str]], base: Path | None = None) -> dict:
+    """-p NAME VALUE pairs -> values, with relative local paths made absolute against `base` (the current folder)."""
+    from freetune.data import LOCAL_SUFFIXES
+
+    base = base or Path.cwd()
+    parameters = {name: parse_value(value) for name, value in pairs}
+    for name in PATH_PARAMETERS:
+        value = parameters.get(name)
+        if not isinstance(value, str) or not value or Path(value).expanduser().is_absolute():
+            continue
+        local = base / value
+        # A hub id ("user/name") stays as it is unless a folder of that name is here.
+        if name == "output_dir" or local.exists() or value.startswith(".") or Path(value).suffix in LOCAL_SUFFIXES:
+            parameters[name] = str(local.resolve())
+    return parameters
 
 
 def embedded_parameters(recipe: str) -> dict:
@@ -55,19 +83,67 @@ def embedded_parameters(recipe: str) -> dict:
 
 def failing_cell(notebook_path: Path) -> str:
     import nbformat
+    from papermill.execute import ERROR_MARKER_TAG
 
     nb = nbformat.read(notebook_path, as_version=4)
-    for index, cell in enumerate(nb.cells):
+    # Numbered as the progress lines number them: without the marker cells papermill adds around an error.
+    cells = [cell for cell in nb.cells if ERROR_MARKER_TAG not in cell.metadata.get("tags", [])]
+    for index, cell in enumerate(cells):
         for output in cell.get("outputs", []):
             if output.get("output_type") == "error":
-                first_line = cell.source.strip().splitlines()[0] if cell.source.strip() else ""
-                return (f"cell {index} (`{first_line[:70]}`) failed: {output.get('ename')}: "
+                return (f"cell {index} (`{first_statement(cell)[:70]}`) failed: {output.get('ename')}: "
                         f"{output.get('evalue')}")
     return "no cell holds an error output"
 
 
+def first_statement(cell) -> str:
+    """A code cell's first line that is not a comment or an import (its first line if all are)."""
+    lines = [line.strip() for line in cell.source.splitlines() if line.strip()]
+    return next((line for line in lines if not line.startswith(("#", "import ", "from "))), lines[0] if lines else "")
+
+
+def cell_line(cell, index: int) -> str | None:
+    """What the terminal shows as a cell starts: a markdown heading, or a code cell's first statement."""
+    if cell.cell_type == "markdown":
+        heading = next((line.lstrip("#").strip() for line in cell.source.splitlines() if line.startswith("#")), None)
+        return f"\n== {heading}" if heading else None
+    if cell.cell_type != "code" or not cell.source.strip():
+        return None
+    if "injected-parameters" in cell.metadata.get("tags", []):
+        from freetune.params import injected_names
+
+        return f"-- cell {index}: the -p parameters ({', '.join(injected_names({'In': [cell.source]}))})"
+    return f"-- cell {index}: {first_statement(cell)[:100]}"
+
+
+def progress_engine() -> str:
+    """Register papermill's own engine, announcing each cell as it starts (papermill's log_output went to a logger
+    nobody configured: a long run looked dead); returns its name for execute_notebook."""
+    from papermill.engines import NBClientEngine, papermill_engines
+
+    class AnnouncingEngine(NBClientEngine):
+        @classmethod
+        def execute_managed_notebook(cls, nb_man, kernel_name, **kwargs):
+            start = nb_man.cell_start
+
+            def announce(cell, cell_index=None, **more):
+                line = cell_line(cell, cell_index)
+                if line:
+                    print(line, flush=True)
+                return start(cell, cell_index, **more)
+
+            nb_man.cell_start = announce
+            return super().execute_managed_notebook(nb_man, kernel_name, **kwargs)
+
+    papermill_engines.register("freetune-progress", AnnouncingEngine)
+    return "freetune-progress"
+
+
 def run(recipe: str, target: str, parameters: dict, out: Path, timeout_s: int) -> dict:
     import papermill
+    from traitlets.config import Config
+
+    from freetune.platform import PLATFORMS
 
     notebook = ROOT / "notebooks" / target / f"{recipe}.ipynb"
     if not notebook.exists():
@@ -79,16 +155,23 @@ def run(recipe: str, target: str, parameters: dict, out: Path, timeout_s: int) -
               "parameters": {k: v for k, v in parameters.items()}}
     start = time.time()
     try:
+        # The notebook's printed output (the step lines, the audit, torchrun's rank 0) streams here as it comes.
+        # The kernel talks over local sockets (ipc) where there are some: over TCP ipykernel warns at every start
+        # that anyone could listen.
+        local_sockets = {"config": Config({"KernelManager": {"transport": "ipc"}})} if os.name == "posix" else {}
         papermill.execute_notebook(str(notebook), str(executed), parameters=parameters, cwd=str(out),
-                                   kernel_name="python3", progress_bar=False, log_output=True,
-                                   execution_timeout=timeout_s)
+                                   kernel_name="python3", progress_bar=False, engine_name=progress_engine(),
+                                   stdout_file=sys.stdout, stderr_file=sys.stderr, execution_timeout=timeout_s,
+                                   **local_sockets)
         record["status"] = "ok"
     except papermill.PapermillExecutionError as exc:
         record["status"] = "failed"
         record["error"] = failing_cell(executed)
         record["exception"] = f"{exc.ename}: {exc.evalue}"
     record["notebook_wall_s"] = round(time.time() - start, 1)
-    run_dir = Path(parameters.get("output_dir") or out / "runs") / parameters.get("run_name", _default(recipe))
+    # output_dir "" is the platform's default: the local one, relative to the kernel's folder (out).
+    root = parameters.get("output_dir") or out / PLATFORMS["local"].work_root
+    run_dir = Path(root) / parameters.get("run_name", _default(recipe))
     summary_file = run_dir / "reports" / "run_summary.json"
     if summary_file.exists():
         record["training"] = json.loads(summary_file.read_text())
@@ -121,14 +204,13 @@ def main(argv: list[str] | None = None) -> int:
         # A run folder per target: the Kaggle run after the Colab one trains a run of its own instead of resuming
         # the Colab run's last checkpoint (at max_steps: nothing left to train).
         parameters = {**embedded_parameters(args.recipe), "output_dir": str(out / "runs" / args.target)}
-    parameters.update({name: parse_value(value) for name, value in args.parameter})
+    parameters.update(parse_parameters(args.parameter))
     record = run(args.recipe, args.target, parameters, out, args.timeout)
     summary_path = out / f"{args.recipe}-{args.target}.json"
     summary_path.write_text(json.dumps(record, indent=2, sort_keys=True))
     training = record.get("training", {})
     print(json.dumps({k: record[k] for k in ("recipe", "target", "status", "notebook_wall_s")} |
-                     {k: training.get(k) for k in ("steps", "first_loss", "last_loss", "peak_memory_gib",
-                                                   "adapter")}, indent=2))
+                     {k: training.get(k) for k in SHOWN}, indent=2))
     if record["status"] != "ok":
         print(f"FAILED: {record['error']}", file=sys.stderr)
         return 1

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up a fresh machine for freetune development: a .venv with the CPU build of torch and every extra.
+# Set up a fresh machine for freetune development: a .venv with torch and every extra.
 # Idempotent: a second run only checks. Used by the README's two commands and by .ci/run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,7 +17,8 @@ if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip
-# torch first, pinned to the CPU build: an unpinned torch would pull a multi-GB CUDA build.
-.venv/bin/python -m pip install -q "torch==2.13.0"
+# torch first, the version CI tests. From PyPI on Linux that is the CUDA build (it runs on a CPU, with several GB of
+# nvidia-* packages); TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu gets the CPU-only build instead.
+.venv/bin/python -m pip install -q "torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 .venv/bin/python -m pip install -q -e ".[train,tasks,logging,dev]"
-.venv/bin/python -c "import torch, transformers, trl, peft, bitsandbytes, freetune; print('ready: torch', torch.__version__, '| transformers', transformers.__version__, '| trl', trl.__version__, '| freetune', freetune.__version__)"
+.venv/bin/python -c "import freetune, torch, transformers, trl, peft, bitsandbytes; print('ready: torch', torch.__version__, '| transformers', transformers.__version__, '| trl', trl.__version__, '| freetune', freetune.__version__)"

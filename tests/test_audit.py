@@ -224,8 +224,12 @@ def test_audit_and_clean_in_one_call(contaminated, tokenizer, capsys):
     assert len(cleaned) == 201 and after.blocking == [] and summary.rows_after == 201
     out = capsys.readouterr().out
     assert "repeated short completion" in out and WHY_REPEATS_DOMINATE in out
+    # The rows auto-clean drops are shown as dropped: "blocking" is kept for what stops the run.
+    assert "BLOCKING" not in out and "DROPPED  repeated short completion" in out
+    assert "The 11 rows marked dropped are removed before training (auto_clean=True)" in out
     with pytest.raises(FreetuneError, match=ACCEPT_PARAMETER):
         audit_and_clean(train, auto_clean=False, accept_problems=False, **kwargs)
+    assert "BLOCKING  repeated short completion" in capsys.readouterr().out  # not cleaned: it does block
     kept, _, none = audit_and_clean(train, auto_clean=False, accept_problems=True, **kwargs)
     assert len(kept) == 212 and none is None
 
@@ -236,6 +240,8 @@ def test_table_and_html_show_every_finding(report):
         assert finding.title in text
         assert html.escape(finding.title) in page
     assert "p95" in text and "<table>" in page
+    assert ">blocking</td>" in page and ">dropped</td>" not in page
+    assert ">dropped</td>" in report._repr_html_(dropping=True) and ">blocking</td>" not in report._repr_html_(True)
 
 
 def test_rare_or_long_repeats_are_warnings_not_blocking(tokenizer, home_assistant_sample):

@@ -1,10 +1,13 @@
 """The builder: recipes x targets -> notebooks, deterministic, with the platform table applied to tagged cells."""
 
+import ast
 import json
+import re
 import shutil
 import subprocess
 import sys
 
+import jupytext
 import nbformat
 import pytest
 
@@ -12,6 +15,7 @@ from conftest import REPO
 
 sys.path.insert(0, str(REPO))
 import build_notebooks  # noqa: E402
+from freetune.platform import PLATFORMS  # noqa: E402
 
 RECIPES = sorted(p.stem for p in (REPO / "recipes").glob("*.py"))
 
@@ -46,7 +50,15 @@ def test_notebook_shape(recipe, target):
     nb = build_notebooks.render(REPO / "recipes" / f"{recipe}.py", target)
     text = nbformat.writes(nb)
     assert text == nbformat.writes(build_notebooks.render(REPO / "recipes" / f"{recipe}.py", target))
-    assert f"generated from recipes/{recipe}.py" in nb.cells[0].source
+    # The first cell speaks to the user: title, both one-click badges, what to set on this platform; the note for
+    # contributors is the last cell and the notebook's metadata.
+    first = nb.cells[0].source
+    assert first.startswith("# ") and "generated from" not in first.lower()
+    assert all(build_notebooks.badge(recipe, t) in first for t in build_notebooks.TARGETS)
+    assert PLATFORMS[target].before_run in first
+    assert nb.metadata["freetune"]["generated_from"] == f"recipes/{recipe}.py"
+    assert f"generated from recipes/{recipe}.py" in nb.cells[-1].source
+    assert nb.cells[-2].source.startswith("## Next steps") and "export_gguf" in nb.cells[-2].source
     assert nb.metadata["kernelspec"]["name"] == "python3"
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert code[0].metadata["tags"] == ["parameters"], "the parameters cell must be the first code cell"
@@ -63,6 +75,51 @@ def test_notebook_shape(recipe, target):
     else:
         assert nb.metadata["kaggle"]["accelerator"] == "nvidiaTeslaT4"
         assert nb.metadata["kaggle"]["isInternetEnabled"] is True
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("target", build_notebooks.TARGETS)
+def test_every_heading_has_a_cell_of_its_own_below_it(recipe, target):
+    nb = build_notebooks.render(REPO / "recipes" / f"{recipe}.py", target)
+    for cell, below in zip(nb.cells, nb.cells[1:]):
+        if cell.cell_type == "markdown" and cell.source.startswith("## "):
+            assert not (below.cell_type == "markdown" and below.source.startswith("## ")), cell.source[:40]
+
+
+def markdown_of(recipe, target) -> str:
+    nb = build_notebooks.render(REPO / "recipes" / f"{recipe}.py", target)
+    return "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_each_target_s_notebook_says_what_holds_there(recipe):
+    colab, kaggle = markdown_of(recipe, "colab"), markdown_of(recipe, "kaggle")
+    assert "Runtime -> Change runtime type -> **T4 GPU**" in colab and "GPU T4 x2" not in colab
+    assert "torchrun" not in colab and "device_map" not in colab  # nothing about DDP on one GPU
+    assert "**GPU T4 x2**" in kaggle and "Internet **on**" in kaggle and "torchrun" in kaggle
+    assert "Kaggle's two T4s" not in colab.splitlines()[0]
+    # The examples name this recipe, not another one.
+    params = next(c.source for c in jupytext.read(REPO / "recipes" / f"{recipe}.py").cells
+                  if "parameters" in c.metadata.get("tags", []))
+    run_name = ast.literal_eval(re.search(r"^run_name: str = (.+?)  #", params, re.M).group(1))
+    assert re.findall(r'"you/([\w-]+)"', params) == [run_name]
+    assert f'hub_repo = "you/{run_name}"' in colab and f'hub_repo = "you/{run_name}"' in kaggle
+
+
+def test_a_recipe_can_have_cells_for_one_target_only():
+    source = REPO / "recipes" / "home_assistant.py"
+    colab, kaggle = (build_notebooks.render(source, t) for t in build_notebooks.TARGETS)
+    assert "Why DDP" not in "".join(c.source for c in colab.cells)
+    assert "Why DDP" in "".join(c.source for c in kaggle.cells)
+    assert all(t not in build_notebooks.TARGETS for nb in (colab, kaggle) for c in nb.cells
+               for t in c.metadata.get("tags", []))  # the target tags are the builder's, not the notebook's
+
+
+def test_the_readme_table_has_both_badges_of_every_recipe():
+    readme = (REPO / "README.md").read_text()
+    for recipe in RECIPES:
+        row = next(line for line in readme.splitlines() if line.startswith(f"| [{recipe}]"))
+        assert all(build_notebooks.badge(recipe, t) in row for t in build_notebooks.TARGETS), row
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -109,6 +166,22 @@ def test_papermill_reads_every_parameter_with_type_default_and_help(recipe, capl
 def test_a_help_comment_with_an_equals_sign_is_refused():
     with pytest.raises(SystemExit, match="more than one '='"):
         build_notebooks.parameter_names("steps: int = 0  # 0 = auto\n")
+
+
+def test_a_parameters_line_over_100_characters_is_refused():
+    line = "steps: int = 0  # " + "x" * 82
+    assert build_notebooks.parameter_names(line) == ["steps"] and len(line) == 100
+    with pytest.raises(SystemExit, match="101 characters long"):
+        build_notebooks.parameter_names(line + "x")
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_parameters_cell_is_grouped_under_short_headings(recipe):
+    nb = build_notebooks.render(REPO / "recipes" / f"{recipe}.py", "colab")
+    source = next(c.source for c in nb.cells if "parameters" in c.metadata.get("tags", []))
+    lines = source.splitlines()
+    headings = [line[2:] for above, line in zip([""] + lines, lines) if not above and line.startswith("# ")]
+    assert headings == ["Model and data", "LoRA", "Training", "Checkpoints", "Evaluation", "Export"]
 
 
 def test_generated_json_is_stable_text():

@@ -1,12 +1,16 @@
 """Bad input stops with a message that says what to change, before any model is loaded."""
 
 import json
+from pathlib import Path
 
+import datasets
 import pytest
 
-from freetune import data, model, params
+from freetune import audit, data, model, params
 from freetune.errors import FreetuneError
 from freetune.preflight import make_plan
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def write_jsonl(path, rows):
@@ -25,10 +29,57 @@ def test_unreadable_file_type(tmp_path):
         data.load_rows(str(tmp_path / "rows.txt"))
 
 
-def test_malformed_json(tmp_path):
-    (tmp_path / "bad.jsonl").write_text('{"prompt": "a", "completion": \n')
-    with pytest.raises(FreetuneError, match="Could not read data set file"):
+def test_malformed_json_line_is_named_with_its_number(tmp_path):
+    good = '{"prompt": "a", "completion": "b"}\n'
+    (tmp_path / "bad.jsonl").write_text(good * 2 + '{"prompt": "a", "completion": \n' + good)
+    with pytest.raises(FreetuneError, match=r"bad\.jsonl, line 3, column \d+: Expecting value"):
         data.load_rows(str(tmp_path / "bad.jsonl"))
+    (tmp_path / "list.jsonl").write_text(good + "[1, 2]\n")
+    with pytest.raises(FreetuneError, match=r"list\.jsonl, line 2 holds a JSON list, not an object"):
+        data.load_rows(str(tmp_path / "list.jsonl"))
+    (tmp_path / "rows.json").write_text('[{"prompt": "a", "completion": "b"},\n {"prompt": "a" "completion": "b"}]')
+    with pytest.raises(FreetuneError, match=r"rows\.json, line 2, column \d+: Expecting ',' delimiter"):
+        data.load_rows(str(tmp_path / "rows.json"))
+
+
+def test_latin1_file_is_named_with_its_line(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    rows = [{"prompt": "Draw a house", "completion": "<svg/>"}, {"prompt": "Zeichne ein Café", "completion": "<svg/>"}]
+    path.write_bytes("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("latin-1"))
+    # datasets reads such a file without complaint and fails later, at the first row it decodes, naming nothing.
+    with pytest.raises(FreetuneError, match=r"latin1\.jsonl' is not UTF-8 text: line 2 has the byte 0xe9.*iconv"):
+        data.load_rows(str(path))
+
+
+def test_empty_and_blank_files(tmp_path):
+    for name, content in (("empty.jsonl", ""), ("empty.csv", ""), ("blank.jsonl", "\n  \n")):
+        (tmp_path / name).write_text(content)
+    with pytest.raises(FreetuneError, match=r"empty\.jsonl' is empty \(0 bytes\)"):
+        data.load_rows(str(tmp_path / "empty.jsonl"))
+    with pytest.raises(FreetuneError, match=r"empty\.csv' is empty"):
+        data.load_rows(str(tmp_path / "empty.csv"))
+    with pytest.raises(FreetuneError, match=r"blank\.jsonl' holds only whitespace"):
+        data.load_rows(str(tmp_path / "blank.jsonl"))
+
+
+def test_folders(tmp_path):
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "readme.md").write_text("my rows are elsewhere")
+    with pytest.raises(FreetuneError, match=r"holds no .csv, .json, .jsonl, .parquet files \(it holds \['readme"):
+        data.load_rows(str(tmp_path / "notes"))
+    (tmp_path / "rows").mkdir()
+    write_jsonl(tmp_path / "rows" / "train.jsonl", [{"prompt": "a", "completion": "b"}] * 3)
+    assert len(data.load_rows(str(tmp_path / "rows"))) == 3  # a folder of data files still loads
+    (tmp_path / "rows" / "train.jsonl").write_text('{"prompt": "a", "completion": "b"}\n{"prompt": \n')
+    with pytest.raises(FreetuneError, match=r"train\.jsonl, line 2"):
+        data.load_rows(str(tmp_path / "rows"))
+
+
+def test_csv_error_is_the_reader_s_own(tmp_path):
+    (tmp_path / "bad.csv").write_text('prompt,completion\n"a,b\n')
+    with pytest.raises(FreetuneError, match=r"bad\.csv.*ParserError: .*EOF inside string") as caught:
+        data.load_rows(str(tmp_path / "bad.csv"))
+    assert "An error occurred while generating the dataset" not in str(caught.value)
 
 
 def test_unreachable_hub_id():
@@ -46,8 +97,6 @@ def test_missing_columns_are_named(tmp_path):
 
 
 def test_empty_data_set(tmp_path):
-    import datasets
-
     with pytest.raises(FreetuneError, match="no rows"):
         data.normalize(datasets.Dataset.from_list([]))
 
@@ -95,16 +144,119 @@ def test_chat_template_that_cannot_mark_assistant_turns(tiny_model_dir, home_ass
         model.check_chat_template(tokenizer, chats)
 
 
+def recipe_namespace(recipe: str, **injected):
+    """A notebook's globals after its parameters cell and papermill's injected cell (written by papermill itself),
+    with IPython's input history, as `freetune.params.check(globals())` sees them in the preflight cell."""
+    import nbformat
+    from papermill.translators import translate_parameters
+
+    nb = nbformat.read(REPO / "notebooks" / "colab" / f"{recipe}.ipynb", as_version=4)
+    cell = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
+    namespace: dict = {}
+    exec(cell.source, namespace)
+    history = ["", cell.source]
+    if injected:
+        history.append(translate_parameters("python3", "python", injected, "Parameters"))
+        exec(history[-1], namespace)
+    namespace["In"] = history
+    return namespace
+
+
+@pytest.mark.parametrize("recipe", ["svg_coder", "home_assistant", "tiny_4gb"])
+def test_every_recipe_s_defaults_pass(recipe):
+    namespace = recipe_namespace(recipe)
+    assert set(params.check(namespace)) == set(namespace["__annotations__"])
+
+
+# Found by trying each as a new user would; each used to get past the preflight (most of them to the model).
+@pytest.mark.parametrize("name, value, says", [
+    ("max_steps", -5, "must be 1 or more"),   # trained a whole epoch and reported success
+    ("max_steps", 0, "must be 1 or more"),    # saved an untrained adapter, then a TypeError
+    ("save_steps", 0, "must be 1 or more"),
+    ("lora_rank", 0, "must be 1 or more"),    # peft's error blamed lora_targets
+    ("lora_dropout", 1.5, "must be from 0 to below 1"),
+    ("micro_batch", -1, "must be 0 or more"),
+    ("learning_rate", 0.0, "must be above 0 and below 1"),
+    ("learning_rate", 2e4, "must be above 0 and below 1"),  # 2e-4 typed as 2e4
+    ("time_budget_min", -1.0, "must be 0 or more"),
+    ("grad_accum", 0, "must be 1 or more"),   # was accepted
+    ("precision", "fp32", "must be one of 'auto', 'fp16', 'bf16'"),
+    ("columns", {"promt": "question"}, "has key(s) ['promt']"),
+    ("hub_repo", "svg-coder", "a Hub repo id 'your-name/repo-name'"),
+    ("optimizer", "adamw_fused", "did you mean 'adamw_torch_fused'?"),
+])
+def test_out_of_range_parameter_is_named_before_anything_loads(name, value, says):
+    with pytest.raises(FreetuneError) as caught:
+        params.check(recipe_namespace("svg_coder", **{name: value}))
+    problems = [line for line in str(caught.value).splitlines() if line.startswith("  ")]
+    assert len(problems) == 1 and problems[0].startswith(f"  {name} = {value!r}: ") and says in problems[0]
+    assert "lora_targets" not in str(caught.value)
+
+
+def test_every_problem_is_listed_at_once():
+    bad = {"max_steps": -5, "lora_rank": 0, "lora_dropout": 1.5, "grad_accum": 0, "lora_r": 8}
+    with pytest.raises(FreetuneError) as caught:
+        params.check(recipe_namespace("svg_coder", **bad))
+    problems = [line.split()[0] for line in str(caught.value).splitlines() if line.startswith("  ")]
+    assert problems == ["max_steps", "grad_accum", "lora_rank", "lora_dropout", "lora_r:"]
+
+
+def test_a_misspelled_parameter_is_refused_with_a_suggestion():
+    # papermill only logs "Passed unknown parameter" and the run trained at the default rank.
+    with pytest.raises(FreetuneError, match=r"lora_r: not a parameter of this notebook \(did you mean lora_rank\?\)"):
+        params.check(recipe_namespace("svg_coder", lora_r=8))
+    with pytest.raises(FreetuneError, match=r"wibble: not a parameter of this notebook \(the parameters are: "
+                                            r"model_id, dataset,"):
+        params.check(recipe_namespace("tiny_4gb", wibble=1))
+
+
+def test_library_callers_get_the_same_checks(tmp_path):
+    # attach_lora checks before it touches the model, so no model is needed to see the message.
+    with pytest.raises(FreetuneError, match=r"lora_rank = 0: must be 1 or more[^\n]*\n  lora_dropout = 1.5"):
+        model.attach_lora(None, rank=0, alpha=16, dropout=1.5)
+    from freetune.platform import resolve_paths
+    from freetune.train import make_config
+
+    paths = resolve_paths(None, str(tmp_path), "run")
+    with pytest.raises(FreetuneError, match=r"grad_accum = 0: .*\n  save_steps = 0"):
+        make_config(paths, make_plan(), max_steps=4, micro_batch=1, grad_accum=0, learning_rate=1e-4, max_length=64,
+                    save_steps=0)
+
+
 def test_parameter_of_the_wrong_type():
-    namespace = {"__annotations__": {"max_steps": int, "learning_rate": float, "columns": dict, "run_name": str},
-                 "max_steps": "fifty", "learning_rate": 1, "columns": {}, "run_name": "x"}
+    namespace = {"__annotations__": {"max_steps": int, "max_grad_norm": float, "columns": dict, "run_name": str},
+                 "max_steps": "fifty", "max_grad_norm": 1, "columns": {}, "run_name": "x"}
     with pytest.raises(FreetuneError, match=r"max_steps = 'fifty' \(str\), but it must be int"):
         params.check(namespace)
     namespace["max_steps"] = 50
-    assert params.check(namespace) == {"max_steps": 50, "learning_rate": 1.0, "columns": {}, "run_name": "x"}
+    assert params.check(namespace) == {"max_steps": 50, "max_grad_norm": 1.0, "columns": {}, "run_name": "x"}
     namespace["max_steps"] = True  # a bool is not a step count
     with pytest.raises(FreetuneError):
         params.check(namespace)
+
+
+def test_every_answer_one_stub_is_blocked_without_task_checks():
+    # tiny_4gb audits with checks=None: no task check catches the stub, and the repeated-answer rule used to need
+    # other, longer distinct answers to measure it against.
+    rows = datasets.Dataset.from_list(
+        [{"prompt": f"Tell me about topic {i}.", "completion": "No valid response from model."} for i in range(40)])
+    report = audit.audit(rows, checks=None)
+    assert [f.id for f in report.blocking] == ["repeated"] and report.blocking[0].count == 40
+    assert "Every row has this one answer" in report.blocking[0].message
+    with pytest.raises(FreetuneError, match="nothing is left to train on"):
+        audit.audit_and_clean(rows, auto_clean=True, accept_problems=False, checks=None)
+
+
+def test_few_distinct_answers_blocked_only_when_one_covers_half_the_rows():
+    def labels(counts):
+        rows = [{"prompt": f"Review {i}: it was {label}.", "completion": label}
+                for label, n in counts.items() for i in range(n)]
+        return audit.audit(datasets.Dataset.from_list(rows))
+
+    skewed = labels({"positive": 30, "negative": 15, "neutral": 5})
+    assert [f.id for f in skewed.blocking] == ["repeated"] and skewed.blocking[0].count == 30
+    assert "class labels, set `auto_clean=False` and `accept_data_problems=True`" in skewed.blocking[0].message
+    assert labels({"positive": 20, "negative": 20, "neutral": 20}).blocking == []
 
 
 # --------------------------------------------------------------------------------- data as it comes
@@ -154,7 +306,6 @@ def test_alpaca_rows_are_recognised_by_their_column_names(tmp_path, capsys):
 def test_the_bundled_samples_are_regenerated_byte_for_byte(tmp_path):
     import subprocess
     import sys
-    from pathlib import Path
 
     import freetune
 
@@ -172,7 +323,6 @@ def test_the_bundled_samples_are_regenerated_byte_for_byte(tmp_path):
                                            ("home_assistant", "messages"), ("multiturn", "messages"),
                                            ("sharegpt", "messages")])
 def test_the_audit_reads_every_bundled_shape(sample, shape, tiny_model_dir):
-    from freetune import audit
     from freetune.fixtures import sample_data_path
 
     rows = data.normalize(data.load_rows(str(sample_data_path(sample))))
@@ -194,8 +344,6 @@ def test_the_audit_reads_every_bundled_shape(sample, shape, tiny_model_dir):
 
 
 def test_the_readme_says_which_shapes_are_read():
-    from pathlib import Path
-
     import freetune
 
     root = Path(freetune.__file__).parents[1]

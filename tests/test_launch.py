@@ -11,15 +11,25 @@ import pytest
 
 from freetune.distributed import cpus_for_local_rank, physical_cores
 from freetune.errors import FreetuneError
-from freetune.launch import run_torchrun
+from freetune.launch import rank0_lines, run_torchrun
 
 SCRIPT = '''
 import os, sys, time
 import freetune
 ctx = freetune.distributed.init(timeout_s=60)
 print(f"hello from rank {ctx.rank} of {ctx.world_size} on {ctx.device} ({ctx.backend})", flush=True)
+if ctx.rank == 0:  # a line printed in two parts, then blank lines and a line after them
+    print("Loading the model ...", end="", flush=True)
+    time.sleep(0.5)
+    print(" done", flush=True)
+    print("\\n\\nafter the blank lines", flush=True)
 if ctx.rank == 1 and sys.argv[1] == "fail":
     raise ValueError("boom on rank 1")
+if ctx.rank == 1 and sys.argv[1] == "freetune-error":
+    try:
+        int("x")
+    except ValueError as exc:
+        raise freetune.FreetuneError("Set `dataset` to a file that exists.") from exc
 freetune.distributed.barrier()
 freetune.distributed.cleanup()
 '''
@@ -35,6 +45,19 @@ def test_two_ranks_run_and_only_rank_0_is_streamed(tmp_path, capfd):
     rank1 = next((tmp_path / "logs").glob("**/attempt_0/1/stdout.log")).read_text()
     assert "hello from rank 1 of 2" in rank1
     assert "All 2 ranks finished" in out
+    # Rank 0's lines as it printed them: no torchrun prefix or banner, a line printed in parts whole, one blank line.
+    assert "[default0]" not in out and "OMP_NUM_THREADS" not in out
+    assert "\nLoading the model ... done\n\nafter the blank lines\n" in out
+
+
+def test_rank0_lines_strip_the_tee_prefix_and_keep_torchrun_s_own_lines_apart():
+    import io
+
+    stream = ["[default0]:\n", "[default0]:Loading ...[default0]: done\n", "W1201 torchrun says\n",
+              "[default0]:Layout: 2 processes  \n", "[default0]:\n", "[default0]:\n", "[default0]:step 1\n"]
+    launcher = io.StringIO()
+    assert list(rank0_lines(stream, launcher)) == ["Loading ... done", "Layout: 2 processes", "", "step 1"]
+    assert launcher.getvalue() == "W1201 torchrun says\n"
 
 
 def test_a_failing_rank_fails_the_cell_fast_with_its_error(tmp_path):
@@ -46,6 +69,16 @@ def test_a_failing_rank_fails_the_cell_fast_with_its_error(tmp_path):
     assert time.time() - start < 60, "a dead rank must end the job quickly, not after a collective timeout"
     message = str(info.value)
     assert "rank 1 reported" in message and "ValueError: boom on rank 1" in message
+
+
+def test_a_rank_s_freetune_error_comes_back_as_its_message(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    with pytest.raises(FreetuneError) as info:
+        run_torchrun(script, "freetune-error", nproc=2, log_dir=tmp_path / "logs")
+    message = str(info.value)
+    assert message.endswith("rank 1 reported:\nSet `dataset` to a file that exists."), message
+    assert "Traceback" not in message and "ValueError" not in message
 
 
 # ---- CPU binding of GPU ranks (freetune.distributed.bind_cpus) ----------------------------------------------

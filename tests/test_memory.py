@@ -92,7 +92,13 @@ def test_parts_of_the_estimate():
     assert one.optimizer_gib == pytest.approx(18_464_768 * 2 / 2**30, rel=1e-2)
     assert estimate(QWEN15, max_length=1024, micro_batch=1, optimizer="adamw_torch").optimizer_gib == \
         pytest.approx(4 * one.optimizer_gib, rel=1e-2)
-    assert two.activations_gib == pytest.approx(2 * one.activations_gib, rel=1e-2)
+    # What stays alive until the backward grows with the tokens; the loss head and one layer's backward come on top
+    # of it, whichever is larger (they do not run at the same time).
+    assert one.peak_allocated_gib < two.peak_allocated_gib
+    assert one.activations_gib + one.loss_head_gib < two.activations_gib + two.loss_head_gib <= 2 * (
+        one.activations_gib + one.loss_head_gib)
+    assert estimate(QWEN15, max_length=512, micro_batch=4).peak_allocated_gib == pytest.approx(
+        estimate(QWEN15, max_length=1024, micro_batch=2).peak_allocated_gib)  # tokens, not rows, decide
     without = estimate(QWEN15, max_length=1024, micro_batch=1, gradient_checkpointing=False)
     assert without.activations_gib > 8 * one.activations_gib
     # What torch's allocator cannot see is added on a GPU only.

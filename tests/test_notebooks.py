@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from conftest import run_recipe
+from conftest import RECIPES, TARGETS, run_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -88,10 +88,15 @@ def contaminated_svg(tmp_path, svg_sample):
 def test_a_contaminated_data_set_stops_the_notebook_before_training(tmp_path, contaminated_svg):
     result, record, nb = run_recipe("svg_coder", "colab", tmp_path / "stop", ("dataset", str(contaminated_svg)),
                                     ("auto_clean", "False"))
-    assert result.returncode == 1 and record["status"] == "failed"
+    assert result.returncode == 1 and record["status"] == "failed"  # papermill saw the cell fail
     assert "FreetuneError" in record["error"] and "accept_data_problems" in text_of(nb)
     assert "training" not in record  # stopped before any training
     assert "No valid response from model." in text_of(nb)  # the offending repeat is shown
+    # The error is its message alone: no traceback of freetune's frames, no chain of causes.
+    (_, error), = outputs(nb, "error")
+    shown = "\n".join(error["traceback"])
+    assert error["ename"] == "FreetuneError" and "accept_data_problems" in shown
+    assert not re.search(r"Traceback|File \"|direct cause|During handling", shown), shown
 
 
 def test_a_contaminated_data_set_trains_when_the_user_accepts_it(tmp_path, contaminated_svg):
@@ -107,6 +112,36 @@ def test_other_recipes_run_inline(recipe, executed_notebook):
     result, record, nb, _ = executed_notebook(recipe, "colab")
     assert result.returncode == 0, result.stderr[-3000:]
     assert_trained_and_reloads(record, nb)
+
+
+# What a user should never see in a notebook: the libraries' progress bars (tqdm's "42%|####  | 10/24 [00:01<..."),
+# tqdm's ipywidgets warning, torchrun's rank prefix and thread banner, a deprecation warning with its source line.
+PROGRESS_BAR = re.compile(r"\d+%\|.*\|.*\d+/\d+|it/s\]|examples/s\]")
+NOISE = ("IProgress not found", "[default0]", "OMP_NUM_THREADS", "FutureWarning", "DistributedDataParallel(")
+DURATION = r"(\d+ s|\d+ min \d\d s|\d+ h \d\d min)"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_the_executed_notebook_reads_as_a_user_should_see_it(recipe, target, executed_notebook):
+    _, record, nb, _ = executed_notebook(recipe, target)
+    assert record["status"] == "ok", record.get("error")
+    text = text_of(nb)
+    assert not [line for line in text.splitlines() if PROGRESS_BAR.search(line)]
+    assert not [noise for noise in NOISE if noise in text]
+    parameters = next(c.source for c in nb.cells if "parameters" in c.metadata.get("tags", []))
+    assert max(len(line) for line in parameters.splitlines()) <= 100
+    # One duration format: the summary, the ETA of the step lines and (Kaggle) the launcher agree.
+    assert re.search(rf"Trained 8 steps in {DURATION} on", text)
+    etas = re.findall(r"ETA (.*)$", text, re.M)
+    assert etas and all(re.fullmatch(DURATION, eta) for eta in etas), etas
+    # The target's own wording, and nothing of the other's.
+    markdown = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+    if target == "kaggle":
+        assert re.search(rf"All 2 ranks finished in {DURATION} ", text)
+        assert "**GPU T4 x2**" in markdown and "Internet **on**" in markdown
+    else:
+        assert "**T4 GPU**" in markdown and "torchrun" not in markdown and "T4 x2" not in markdown
 
 
 # -------------------------------------------------- what users expect: eval, try it, one verdict (issue 26)

@@ -107,7 +107,7 @@ def test_side_by_side_png(tmp_path):
         {"prompt": "A wide blue bar", "base": GOOD_SVG, "adapter": GOOD_SVG,
          "reference": f'<svg {NS} viewBox="0 0 40 10"><rect width="40" height="10" fill="#0000ff"/></svg>'},
     ]
-    path = svg.side_by_side_png(rows, tmp_path / "out" / "grid.png", cell=cell)
+    path = svg.side_by_side_png(rows, tmp_path / "out" / "grid.png", cell=cell, scale=1)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     image = Image.open(path).convert("RGB")
     assert image.size == (4 * cell, svg.HEADER_HEIGHT + 3 * cell)
@@ -122,6 +122,25 @@ def test_side_by_side_png(tmp_path):
     assert (236, 236, 236) in cell_colours(1, 2)    # so does a zero-size SVG
     assert (255, 0, 0) not in cell_colours(1, 2)
     assert (0, 0, 255) in cell_colours(2, 3)        # the reference column renders too
+
+
+def test_side_by_side_keeps_an_unbroken_answer_in_its_box_at_twice_the_pixels(tmp_path):
+    cell, scale = 120, 2
+    rows = [{"prompt": "Draw a zero " + "0" * 200, "base": "0" * 300, "adapter": "I cannot draw.", "reference": None}]
+    image = Image.open(svg.side_by_side_png(rows, tmp_path / "grid.png", cell=cell)).convert("RGB")
+    assert image.size == (4 * cell * scale, (svg.HEADER_HEIGHT + cell) * scale)  # twice the pixels by default
+    top, size, pad = svg.HEADER_HEIGHT * scale, cell * scale, 6 * scale
+
+    def darkest(left, right):  # of the row, above the line under it
+        crop = image.crop((left, top, right, top + size - pad))
+        return min(min(colour) for _, colour in crop.getcolors(maxcolors=crop.width * crop.height))
+
+    # The text of the prompt and of the base's grey box ends inside them: the strips between the boxes stay white,
+    # and the adapter's box shows its own words, not the base's zeros running in from the left.
+    assert darkest(size - pad, size + pad) == 255 and darkest(2 * size - pad + scale, 2 * size) == 255
+    assert darkest(size, 2 * size) < 100  # ... while the base's box does hold dark text
+    adapter_box = image.crop((2 * size, top, 3 * size, top + size))
+    assert adapter_box.getpixel((adapter_box.width - 2 * pad, adapter_box.height // 2)) == (236, 236, 236)
 
 
 # ---------------------------------------------------------------------------------------- Home Assistant

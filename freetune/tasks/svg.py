@@ -146,12 +146,25 @@ def summarise(results: list[dict]) -> dict[str, float]:
 
 
 COLUMNS = ("prompt", "base", "adapter", "reference")
-HEADER_HEIGHT = 28
+HEADER_HEIGHT = 28  # at scale 1
+
+
+def _pieces(draw, word: str, font, width: int) -> list[str]:
+    """A word wider than the box, cut into pieces that fit: an unbroken answer ("000...") has no space to wrap at."""
+    pieces = []
+    while len(word) > 1 and draw.textlength(word, font=font) > width:
+        fits, too_long = 1, len(word)  # the longest prefix that fits (at least one character)
+        while too_long - fits > 1:
+            middle = (fits + too_long) // 2
+            fits, too_long = (middle, too_long) if draw.textlength(word[:middle], font=font) <= width else (fits, middle)
+        pieces.append(word[:fits])
+        word = word[fits:]
+    return pieces + [word]
 
 
 def _wrap(draw, text: str, font, width: int) -> list[str]:
     lines, line = [], ""
-    for word in text.split():
+    for word in (piece for word in text.split() for piece in _pieces(draw, word, font, width)):
         candidate = f"{line} {word}".strip()
         if line and draw.textlength(candidate, font=font) > width:
             lines.append(line)
@@ -162,39 +175,45 @@ def _wrap(draw, text: str, font, width: int) -> list[str]:
 
 
 def _draw_text(draw, box: tuple[int, int, int, int], text: str, font, fill) -> int:
-    """Word-wrapped text in the box, cut with "…" when it does not fit; returns the y below the last line."""
+    """Text wrapped inside the box, cut with "…" when it does not fit; returns the y below the last line."""
     left, top, right, bottom = box
-    line_height = font.size + 3
-    max_lines = max(1, (bottom - top) // line_height)
+    line_height = round(font.size * 1.25)
+    max_lines = (bottom - top) // line_height
+    if max_lines < 1:  # no room left in the box: nothing is drawn past its edge
+        return top
     lines = _wrap(draw, text, font, right - left)
     if len(lines) > max_lines:
         lines = lines[:max_lines]
-        lines[-1] = lines[-1] + " …"
+        last = lines[-1]
+        while last and draw.textlength(last + " …", font=font) > right - left:
+            last = last[:-1]
+        lines[-1] = last + " …"
     for i, line in enumerate(lines):
         draw.text((left, top + i * line_height), line, font=font, fill=fill)
     return top + len(lines) * line_height
 
 
-def side_by_side_png(rows: list[dict], path: str | Path, cell: int = 192) -> Path:
+def side_by_side_png(rows: list[dict], path: str | Path, cell: int = 192, scale: int = 2) -> Path:
     """One PNG grid: a row per prompt, columns prompt / base / adapter / reference renders.
 
     rows: dicts with "prompt", "base", "adapter", "reference" (texts; reference may be None). An output that
-    does not render gets a grey box saying "does not render" and why. The image is 4 * cell pixels wide and
-    HEADER_HEIGHT + len(rows) * cell high.
+    does not render gets a grey box saying "does not render" and why. The image is 4 * cell wide and
+    HEADER_HEIGHT + len(rows) * cell high, times scale: drawn at twice the pixels by default, for a sharp image
+    at its size on a high-density screen (IPython's Image(..., retina=True) shows it at half its pixels).
     """
     from PIL import Image, ImageDraw, ImageFont
 
-    font = ImageFont.load_default(size=12)
-    title_font = ImageFont.load_default(size=14)
-    pad = 6
-    image = Image.new("RGB", (len(COLUMNS) * cell, HEADER_HEIGHT + len(rows) * cell), "white")
+    cell, header, pad = cell * scale, HEADER_HEIGHT * scale, 6 * scale
+    font = ImageFont.load_default(size=12 * scale)
+    title_font = ImageFont.load_default(size=14 * scale)
+    image = Image.new("RGB", (len(COLUMNS) * cell, header + len(rows) * cell), "white")
     draw = ImageDraw.Draw(image)
     for c, title in enumerate(COLUMNS):
-        draw.text((c * cell + pad, 6), title, font=title_font, fill="black")
-    draw.line([(0, HEADER_HEIGHT - 1), (image.width, HEADER_HEIGHT - 1)], fill="black")
+        draw.text((c * cell + pad, pad), title, font=title_font, fill="black")
+    draw.line([(0, header - scale), (image.width, header - scale)], fill="black", width=scale)
 
     for r, row in enumerate(rows):
-        top = HEADER_HEIGHT + r * cell
+        top = header + r * cell
         _draw_text(draw, (pad, top + pad, cell - pad, top + cell - pad), str(row.get("prompt", "")), font, "black")
         for c, column in enumerate(COLUMNS[1:], start=1):
             box = (c * cell + pad, top + pad, (c + 1) * cell - pad, top + cell - pad)
@@ -206,21 +225,21 @@ def side_by_side_png(rows: list[dict], path: str | Path, cell: int = 192) -> Pat
             fit = min(box[2] - box[0], box[3] - box[1])
             picture, reason = (None, "no <svg> block") if block is None else render_svg(block, side=fit)
             if picture is None:
-                draw.rectangle(box, fill=(236, 236, 236), outline=(160, 160, 160))
+                draw.rectangle(box, fill=(236, 236, 236), outline=(160, 160, 160), width=scale)
                 inner = (box[0] + pad, box[1] + pad, box[2] - pad, box[3] - pad)
                 below = _draw_text(draw, inner, f"does not render: {reason}", font, (150, 0, 0))
                 # What the model said instead: a collapsed adapter's stub is seen at a glance.
                 excerpt = " ".join(text.split())[:300] or "(empty output)"
-                _draw_text(draw, (inner[0], below + 8, inner[2], inner[3]), excerpt, font, (80, 80, 80))
+                _draw_text(draw, (inner[0], below + pad, inner[2], inner[3]), excerpt, font, (80, 80, 80))
                 continue
             left = box[0] + (box[2] - box[0] - picture.width) // 2
             upper = box[1] + (box[3] - box[1] - picture.height) // 2
             image.paste(picture, (left, upper), picture)
-            draw.rectangle((left - 1, upper - 1, left + picture.width, upper + picture.height), outline=(200, 200, 200))
-        draw.line([(0, top + cell - 1), (image.width, top + cell - 1)], fill=(200, 200, 200))
+            draw.rectangle((left - scale, upper - scale, left + picture.width, upper + picture.height),
+                           outline=(200, 200, 200), width=scale)
+        draw.line([(0, top + cell - scale), (image.width, top + cell - scale)], fill=(200, 200, 200), width=scale)
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     image.save(path, format="PNG")
     return path
-

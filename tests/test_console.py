@@ -1,0 +1,66 @@
+"""What a notebook shows (freetune.console): a FreetuneError as its message, no library progress bars, one
+duration format; and one Hub reachability check in place of the libraries' retries (freetune.platform)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from freetune.console import duration
+
+
+def python(code: str, **env) -> subprocess.CompletedProcess:
+    """A fresh interpreter (the switches act when freetune is imported), with extra environment variables."""
+    environ = {k: v for k, v in os.environ.items() if k not in env or env[k] is not None}
+    environ.update({k: v for k, v in env.items() if v is not None})
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env=environ, timeout=300)
+
+
+def test_durations_have_one_format():
+    assert [duration(s) for s in (0.4, 42, 68, 600, 3599.6, 7620)] == [
+        "0 s", "42 s", "1 min 08 s", "10 min 00 s", "1 h 00 min", "2 h 07 min"]
+
+
+def test_a_freetune_error_shows_as_its_message_and_still_fails_the_cell():
+    result = python("""
+        from IPython.core.interactiveshell import InteractiveShell
+        shell = InteractiveShell.instance()
+        shell.run_cell("import freetune")
+        outcome = shell.run_cell(
+            "try:\\n    int('x')\\nexcept ValueError as exc:\\n"
+            "    raise freetune.FreetuneError('Set `dataset` to a file that exists.') from exc")
+        print("FAILED" if outcome.error_in_exec is not None else "PASSED")
+        shell.run_cell("%tb")  # the whole chain, on request
+    """)
+    assert result.returncode == 0, result.stderr
+    shown, _, on_request = result.stdout.partition("FAILED")
+    assert "FreetuneError" in shown and "Set `dataset` to a file that exists." in shown
+    assert "Traceback" not in shown and "ValueError" not in shown and "direct cause" not in shown
+    assert "ValueError" in on_request and "direct cause" in on_request
+
+
+def test_the_libraries_draw_no_progress_bars_once_freetune_is_imported():
+    result = python("""
+        import freetune, datasets, transformers
+        print(datasets.is_progress_bar_enabled(), transformers.utils.logging.is_progress_bar_enabled())
+    """, HF_DATASETS_DISABLE_PROGRESS_BARS=None, HF_HUB_DISABLE_PROGRESS_BARS=None)
+    assert result.stdout.split() == ["False", "False"], result.stderr
+
+
+@pytest.mark.parametrize("call", ["freetune.model.load_tokenizer('Qwen/Qwen3-8B')",
+                                  "freetune.data.load_rows('tuxevil/Home-Assistant-Requests-V3')"])
+def test_an_unreachable_hub_fails_at_once_saying_what_to_change(call):
+    # A closed port: the connection is refused at once, as on a machine with its internet off.
+    result = python(f"""
+        import freetune
+        try:
+            {call}
+        except freetune.FreetuneError as exc:
+            print(exc)
+    """, HF_ENDPOINT="http://127.0.0.1:9", HF_HUB_OFFLINE=None, HF_DATASETS_OFFLINE=None)
+    assert "Cannot reach the Hugging Face Hub (http://127.0.0.1:9" in result.stdout, result.stdout + result.stderr
+    assert "Internet on" in result.stdout and ("`model_id`" in result.stdout or "`dataset`" in result.stdout)
+    assert "Retry" not in result.stdout + result.stderr  # no retries: one check, one message
