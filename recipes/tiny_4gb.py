@@ -189,8 +189,10 @@ comparison
 # %% [markdown]
 # ## Try it
 # Type a prompt and watch the adapter answer as it writes (an empty prompt ends). Run headless
-# (papermill, CI), nobody can type, so it answers a few held-out prompts instead. On Kaggle this
-# runs here in the notebook, on one GPU, after the torchrun job has ended.
+# (papermill, CI), nobody can type, so it answers a few held-out prompts instead.
+
+# %% [markdown] tags=["kaggle"]
+# This cell runs here in the notebook, on one GPU, after the torchrun job has ended.
 
 # %%
 answers = freetune.chat.try_it(model_id, paths.adapter, held_out,

@@ -133,7 +133,7 @@ def test_the_executed_notebook_reads_as_a_user_should_see_it(recipe, target, exe
     assert max(len(line) for line in parameters.splitlines()) <= 100
     # One duration format: the summary, the ETA of the step lines and (Kaggle) the launcher agree.
     assert re.search(rf"Trained 8 steps in {DURATION} on", text)
-    etas = re.findall(r"ETA (.*)$", text, re.M)
+    etas = re.findall(r"GiB  ETA (.*)$", text, re.M)  # the step lines' (generated text may hold "ETA" too)
     assert etas and all(re.fullmatch(DURATION, eta) for eta in etas), etas
     # The target's own wording, and nothing of the other's.
     markdown = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
