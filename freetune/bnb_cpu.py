@@ -102,3 +102,20 @@ def keep_cpu_inference_layout(model) -> int:
                 module.support_avx512bf16_for_cpu = False
                 kept += 1
     return kept
+
+
+def keep_training_layout(model) -> int:
+    """Keep every Linear4bit layer of a model that trains out of the CPU inference repacking; returns how many.
+
+    bitsandbytes 0.50.2 repacks a layer's 4-bit weight for its AVX-512 bf16 inference kernel the first time the layer
+    runs in eval mode without gradients (an evaluation between training steps) and never packs it back: every later
+    training step then runs the inference kernel, whose in-place bias add on a tensor that needs its gradient raises
+    "a view of a leaf Variable that requires grad is being used in an in-place operation"."""
+    from bitsandbytes.nn import Linear4bit
+
+    kept = 0
+    for module in model.modules():
+        if isinstance(module, Linear4bit) and getattr(module, "support_avx512bf16_for_cpu", False):
+            module.support_avx512bf16_for_cpu = False
+            kept += 1
+    return kept

@@ -1,11 +1,13 @@
 """Training data in the shapes people actually have, normalised to what TRL's SFTTrainer trains on.
 
-Accepted shapes (TRL's own names, so SFTTrainer masks the loss correctly):
-- conversational `messages`: a list of {"role", "content"} turns; loss on assistant turns only;
+Shapes read without a column mapping (normalised to TRL's own names, so SFTTrainer masks the loss correctly):
+- conversational `messages`: a list of {"role", "content"} turns, one or many exchanges; the loss is on every
+  assistant turn (TRL's assistant_only_loss with a chat template whose {% generation %} markers wrap each one);
+- ShareGPT `conversations`: a list of {"from": "human" | "gpt" | "system", "value": ...} turns -> `messages`;
 - `prompt` / `completion`: strings or message lists; loss on the completion only;
-- anything else through a column mapping, e.g. instruction/input/output (Alpaca) ->
-  `columns={"prompt": ["instruction", "input"], "completion": "output"}` (several prompt columns are joined
-  with a blank line, empty ones skipped).
+- Alpaca `instruction` / `input` / `output` -> `prompt` (instruction and input joined) / `completion`.
+Anything else through a column mapping, e.g. `columns={"prompt": ["question", "context"], "completion":
+"answer"}` (several prompt columns are joined with a blank line, empty ones skipped).
 
 `load_rows` takes a local file (.jsonl/.json/.csv/.parquet), a folder written by `Dataset.save_to_disk`, or a
 hub id; every failure is a FreetuneError that says what to change, raised before any model is loaded.
@@ -150,6 +152,47 @@ def _is_message_list(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
 
 
+def _is_sharegpt_list(value: Any) -> bool:
+    return (isinstance(value, list) and bool(value)
+            and all(isinstance(m, dict) and "from" in m and "value" in m for m in value))
+
+
+# ShareGPT's speaker names -> chat roles. Exports differ in what they call the two sides; these are the common ones.
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "chatgpt": "assistant", "bard": "assistant", "model": "assistant", "system": "system"}
+ALPACA_COLUMNS = ("instruction", "input", "output")
+
+
+def _sharegpt_turn(turn: dict) -> dict:
+    role = SHAREGPT_ROLES.get(str(turn["from"]).strip().lower())
+    if role is None:
+        raise FreetuneError(
+            f"A ShareGPT turn comes from {turn['from']!r}; freetune reads {sorted(SHAREGPT_ROLES)}. Rename those "
+            f"turns in the data (tool calls and results are not supported), or drop the rows that have them.")
+    return {"role": role, "content": turn["value"]}
+
+
+def _turns(example_turns: list[dict]) -> list[dict]:
+    """Chat turns as {"role", "content"}, from role/content or ShareGPT's from/value turns."""
+    if _is_sharegpt_list(example_turns):
+        return [_sharegpt_turn(m) for m in example_turns]
+    return [{"role": m["role"], "content": m["content"]} for m in example_turns]
+
+
+def _recognised_columns(present: set[str], columns: dict) -> tuple[dict, str]:
+    """(mapping, what was recognised) for shapes known by their column names (ShareGPT, Alpaca), when no mapping
+    was given and no column already has freetune's names; ({}, "") otherwise."""
+    if columns or {"messages", "prompt", "completion"} & present:
+        return {}, ""
+    if "conversations" in present:
+        return {"messages": "conversations"}, "ShareGPT rows (`conversations` of from/value turns) read as `messages`"
+    if {"instruction", "output"} <= present:
+        prompt = [c for c in ALPACA_COLUMNS[:2] if c in present]
+        return ({"prompt": prompt, "completion": "output"},
+                f"Alpaca rows read as prompt = {' + '.join(prompt)}, completion = output")
+    return {}, ""
+
+
 def _join_columns(example: dict, names: list[str]) -> str:
     return "\n\n".join(str(example[n]).strip() for n in names if example.get(n) not in (None, "")
                        and str(example[n]).strip())
@@ -172,6 +215,11 @@ def normalize(dataset, columns: dict[str, str | list[str]] | None = None, system
             f"The column mapping names {missing}, which the data set does not have. Its columns are "
             f"{sorted(present)}: fix the `columns` parameter.")
 
+    recognised, described = _recognised_columns(present, columns)
+    if recognised:
+        print(f"Data: {described}.")
+        columns = recognised
+
     def column_for(name: str):
         if name in columns:
             return columns[name]
@@ -181,19 +229,21 @@ def normalize(dataset, columns: dict[str, str | list[str]] | None = None, system
     prompt_col, completion_col = column_for("prompt"), column_for("completion")
     if messages_col is None and not (prompt_col and completion_col):
         raise FreetuneError(
-            f"Cannot tell which columns to train on: the data set has {sorted(present)}. freetune trains on a "
-            f"`messages` column (chat turns) or on `prompt` + `completion`. Map yours with the `columns` "
-            f"parameter, e.g. {{'prompt': ['instruction', 'input'], 'completion': 'output'}}.")
+            f"Cannot tell which columns to train on: the data set has {sorted(present)}. freetune reads chat "
+            f"`messages`, ShareGPT `conversations`, `prompt` + `completion`, and Alpaca's instruction/input/output. "
+            f"Map yours with the `columns` parameter, e.g. {{'prompt': ['question', 'context'], "
+            f"'completion': 'answer'}}.")
 
     if messages_col is not None:
         first = dataset[0][messages_col] if isinstance(messages_col, str) else None
-        if not _is_message_list(first):
+        if not (_is_message_list(first) or _is_sharegpt_list(first)):
             raise FreetuneError(
-                f"Column {messages_col!r} should hold a list of {{'role': ..., 'content': ...}} turns; row 0 "
-                f"holds {type(first).__name__}. Map a prompt/completion pair with `columns` instead.")
+                f"Column {messages_col!r} should hold a list of {{'role': ..., 'content': ...}} turns (or ShareGPT's "
+                f"{{'from': ..., 'value': ...}}); row 0 holds {type(first).__name__}. Map a prompt/completion pair "
+                f"with `columns` instead.")
 
         def to_messages(example):
-            turns = [{"role": m["role"], "content": m["content"]} for m in example[messages_col]]
+            turns = _turns(example[messages_col])
             if system_prompt and turns and turns[0]["role"] != "system":
                 turns = [{"role": "system", "content": system_prompt}] + turns
             return {"messages": turns}

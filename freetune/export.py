@@ -8,10 +8,12 @@ what will not fit, and a failure leaves the adapter where it was.
   away), on the GPU when a copy fits in its free memory, else on the CPU. A 7B model's merged copy is ~15 GB of
   RAM and disk; Kaggle's working folder holds 20 GB in all.
 - GGUF: llama.cpp's own `convert_hf_to_gguf.py` writes f16 / q8_0; `llama-quantize` (compiled llama.cpp) makes
-  q4_k_m when present. The converter comes from llama.cpp itself (a clone, or the copy vendored in the
-  `llama-cpp-python` source distribution on PyPI: `fetch_converter`), never from a home-made writer.
-- Ollama: a Modelfile whose TEMPLATE is the Go-template twin of the model's ChatML chat template (checked on a
-  probe conversation before it is written), with its stop tokens and defaults.
+  q4_k_m when present, else Ollama makes it from the f16 file (`ollama create -q q4_K_M -f Modelfile.f16`). The
+  converter comes from llama.cpp itself (a clone, or the copy vendored in the `llama-cpp-python` source
+  distribution on PyPI: `fetch_converter`), never from a home-made writer.
+- Ollama: a Modelfile whose TEMPLATE is the Go-template twin of the model's chat template when that is one freetune
+  trains with (freetune.templates: ChatML, Llama 3, Zephyr; checked on a probe conversation before it is written),
+  with its stop tokens and defaults.
 - Hub: rank 0 only, the token from the platform's secrets, a model card recording how the adapter was made.
 """
 
@@ -28,9 +30,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from freetune.chat import SAMPLING
 from freetune.errors import FreetuneError
 from freetune.params import HUB_ID as _HUB_ID
 from freetune.secrets import hf_token, redact
+from freetune.templates import Template
+from freetune.templates import identify as identify_template
 
 GB = 1e9  # sizes are shown in decimal GB, as disks and Kaggle's 20 GB quota are
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -374,6 +379,12 @@ GET_CONVERTER_HELP = (
     "`!pip install sentencepiece`, then pass converter='llama.cpp' (or set FREETUNE_LLAMA_CPP to the folder). "
     "Do not `pip install -r` llama.cpp's requirements there: they pin a CPU build of torch and an older "
     "transformers, which would replace the notebook's own.")
+# llama.cpp's k-quants (q4_k_m) come only from its compiled llama-quantize: gguf-py quantises q8_0 but no k-quant, and
+# PyPI's llama-cpp-python ships a source distribution only (a C++ build of llama.cpp: minutes of every CI run and of a
+# free notebook's two cores). Ollama quantises an f16 GGUF itself on import, so that is the one step offered instead.
+Q4_K_M_BY_OLLAMA = ("q4_k_m (the size Ollama users pull) needs llama.cpp's compiled llama-quantize, which no PyPI "
+                    "package ships ready to run; Ollama makes it from the f16 GGUF: see the `ollama create -q q4_K_M` "
+                    "line below.")
 GET_QUANTIZE_HELP = (
     "q4_k_m needs llama.cpp's compiled `llama-quantize`. Build it (a few minutes) with "
     "`git clone --depth 1 https://github.com/ggml-org/llama.cpp && cmake -S llama.cpp -B llama.cpp/build "
@@ -534,7 +545,7 @@ def convert_to_gguf(merged_dir: str | Path, out_dir: str | Path, *, outtypes=("f
 
     tool = find_quantize_tool(quantize_tool, script) if quantize else None
     if quantize and tool is None:
-        print(f"Skipping {', '.join(quantize)}: llama-quantize was not found. {GET_QUANTIZE_HELP}", flush=True)
+        print(f"Skipping {', '.join(quantize)}: {Q4_K_M_BY_OLLAMA}", flush=True)
         quantize = ()
     source_types = [t for t in outtypes if t in ("f16", "bf16", "f32")]
     intermediate = "f16" if quantize and not source_types else None
@@ -585,70 +596,14 @@ def convert_to_gguf(merged_dir: str | Path, out_dir: str | Path, *, outtypes=("f
 # Ollama
 # --------------------------------------------------------------------------------------------------------------
 
-# The Go-template twin of a ChatML chat template (Qwen2/2.5/3 and many others), in the shape of Ollama's own
-# qwen2.5 template without tools. Ollama fills .System from the system messages (or the Modelfile's SYSTEM when
-# the conversation has none) and .Messages with the turns; the last assistant turn is left open so a partial
-# answer is continued, and a conversation ending on a user turn gets the assistant header.
-CHATML_GO_TEMPLATE = """{{- if .System }}<|im_start|>system
-{{ .System }}<|im_end|>
-{{ end }}
-{{- range $i, $_ := .Messages }}
-{{- $last := eq (len (slice $.Messages $i)) 1 }}
-{{- if eq .Role "user" }}<|im_start|>user
-{{ .Content }}<|im_end|>
-{{ else if eq .Role "assistant" }}<|im_start|>assistant
-{{ .Content }}{{ if not $last }}<|im_end|>
-{{ end }}
-{{- end }}
-{{- if and (ne .Role "assistant") $last }}<|im_start|>assistant
-{{ end }}
-{{- end }}"""
-
-_PROBE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
-          {"role": "user", "content": "Draw a red circle."}]
-_PROBE_SYSTEM = "You draw SVG."
-
-
-def render_chatml(messages: list[dict], system: str | None) -> str:
-    """The prompt CHATML_GO_TEMPLATE renders for a conversation ending on a user turn (the same rules, in Python)."""
-    text = f"<|im_start|>system\n{system}<|im_end|>\n" if system else ""
-    for m in messages:
-        if m["role"] in ("user", "assistant"):
-            text += f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n"
-    return text + "<|im_start|>assistant\n"
-
-
-def chat_template_kind(tokenizer) -> tuple[str, str | None, str]:
-    """('chatml', default system prompt or None, reason) when the tokenizer's chat template renders exactly as
-    CHATML_GO_TEMPLATE on a probe conversation (with and without a system message); else ('other', None, why)."""
-    template = getattr(tokenizer, "chat_template", None)
-    if not template:
-        return "other", None, "the tokenizer has no chat template"
-    if "<|im_start|>" not in template:
-        return "other", None, "the chat template is not ChatML (<|im_start|>role ... <|im_end|>)"
-    try:
-        with_system = tokenizer.apply_chat_template([{"role": "system", "content": _PROBE_SYSTEM}, *_PROBE],
-                                                    tokenize=False, add_generation_prompt=True)
-        without = tokenizer.apply_chat_template(_PROBE, tokenize=False, add_generation_prompt=True)
-    except Exception as exc:  # a template that raises on plain turns cannot be translated either
-        return "other", None, f"the chat template failed on a probe conversation ({exc})"
-    if with_system != render_chatml(_PROBE, _PROBE_SYSTEM):
-        return "other", None, "the chat template adds text that plain ChatML does not (e.g. reasoning markers)"
-    # A template that inserts a default system prompt (Qwen2.5: "You are Qwen, ...") becomes the Modelfile's SYSTEM.
-    match = re.fullmatch(r"<\|im_start\|>system\n(.*?)<\|im_end\|>\n(.*)", without, flags=re.S)
-    default_system = match.group(1) if match else None
-    if without != render_chatml(_PROBE, default_system):
-        return "other", None, "the chat template renders a conversation without a system message unlike ChatML"
-    return "chatml", default_system, "ChatML template, checked on a probe conversation"
-
-
 _END_MARKER = re.compile(r"end|eos|eot|^</s>$", re.I)
 
 
-def stop_tokens(tokenizer, kind: str) -> list[str]:
-    """Strings that end a turn: <|im_end|> for ChatML, the EOS token, and a pad token that marks an end such as
-    Qwen's <|endoftext|> (a model that drifts past its turn emits it; a plain <pad> or <unk> is no stop)."""
-    stops = ["<|im_end|>"] if kind == "chatml" else []
+def stop_tokens(tokenizer, template: Template | None) -> list[str]:
+    """Strings that end a turn: the template's end token (<|im_end|> for ChatML), the EOS token, and a pad token that
+    marks an end such as Qwen's <|endoftext|> (a model that drifts past its turn emits it; a plain <pad> or <unk> is
+    no stop)."""
+    stops = [template.end_token(tokenizer)] if template is not None else []
     eos, pad = tokenizer.eos_token, tokenizer.pad_token
     for token in (eos, pad if pad and _END_MARKER.search(pad) else None):
         if token and token not in stops:
@@ -664,14 +619,18 @@ def _quote(text: str) -> str:
 
 
 def write_modelfile(gguf_path: str | Path, tokenizer, out_path: str | Path | None = None, *,
-                    system_prompt: str | None = None, temperature: float = 0.7, top_p: float = 0.8,
-                    repeat_penalty: float = 1.05, num_ctx: int = 4096,
+                    system_prompt: str | None = None, temperature: float = SAMPLING["temperature"],
+                    top_p: float = SAMPLING["top_p"], repeat_penalty: float = SAMPLING["repetition_penalty"],
+                    num_ctx: int = 4096,
                     extra_parameters: dict | None = None) -> Path:
     """Write an Ollama Modelfile for gguf_path (default: 'Modelfile' next to it); returns its path.
 
-    TEMPLATE is the Go-template twin of a ChatML chat template (checked on a probe conversation). Any other
-    template is left out: Ollama then reads the chat template the converter stored in the GGUF and picks its
-    own matching template; check it with `ollama show NAME --template`.
+    TEMPLATE is the Go-template twin of the tokenizer's chat template when that is one of freetune.templates'
+    (ChatML, Llama 3, Zephyr: checked on a probe conversation). Any other template is left out: Ollama then reads
+    the chat template the converter stored in the GGUF and picks its own matching template; check it with
+    `ollama show NAME --template`.
+    Beside a q8_0 file with its f16 twin, `Modelfile.f16` (FROM the f16 file) is written too: `ollama create -q
+    q4_K_M` quantises an f16 GGUF, and ollama_commands names it.
     system_prompt: the default system message (None keeps the chat template's own default, if it has one).
     Defaults: temperature 0.7 and top_p 0.8 (Qwen's recommended sampling), num_ctx 4096 (Ollama's default
     context is shorter and silently cuts long prompts and answers).
@@ -682,22 +641,37 @@ def write_modelfile(gguf_path: str | Path, tokenizer, out_path: str | Path | Non
     out = Path(out_path).expanduser() if out_path else gguf.parent / "Modelfile"
     # Ollama resolves FROM relative to the Modelfile's folder: keep the pair movable when they sit together.
     source = f"./{gguf.name}" if gguf.parent.resolve() == out.parent.resolve() else str(gguf.resolve())
-    kind, default_system, reason = chat_template_kind(tokenizer)
+    template, default_system, reason = identify_template(tokenizer)
     lines = [f"# Written by freetune.export.write_modelfile. Chat template: {reason}.", f"FROM {source}", ""]
-    if kind == "chatml":
-        lines += [f"TEMPLATE {_quote(CHATML_GO_TEMPLATE)}", ""]
+    if template is not None:
+        lines += [f"TEMPLATE {_quote(template.go(tokenizer))}", ""]
     else:
         lines += [f"# No TEMPLATE: {reason}; Ollama uses the chat template stored in the GGUF.", ""]
     system = system_prompt if system_prompt is not None else default_system
     if system:
         lines += [f"SYSTEM {_quote(system)}", ""]
-    lines += [f'PARAMETER stop "{token}"' for token in stop_tokens(tokenizer, kind)]
+    lines += [f'PARAMETER stop "{token}"' for token in stop_tokens(tokenizer, template)]
     params = {"temperature": temperature, "top_p": top_p, "repeat_penalty": repeat_penalty, "num_ctx": num_ctx,
               **(extra_parameters or {})}
     lines += [f"PARAMETER {key} {value}" for key, value in params.items()]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
+    f16 = _f16_beside(gguf)
+    if f16 is not None and out_path is None:  # for `ollama create -q q4_K_M`, which quantises an f16 GGUF
+        out.with_name(F16_MODELFILE).write_text(
+            "\n".join(f"FROM ./{f16.name}" if line.startswith("FROM ") else line for line in lines) + "\n")
     return out
+
+
+F16_MODELFILE = "Modelfile.f16"
+
+
+def _f16_beside(gguf: Path) -> Path | None:
+    """The f16 GGUF converted with `gguf` (same name, -F16), when there is one and `gguf` is not already a k-quant
+    or f16 itself."""
+    stem, _, kind = gguf.stem.rpartition("-")
+    f16 = gguf.with_name(f"{stem}-F16.gguf")
+    return f16 if kind.upper() not in ("F16", "Q4_K_M") and f16.is_file() else None
 
 
 _OLLAMA_NAME = re.compile(r"^([a-z0-9][a-z0-9._-]*/)?[a-z0-9][a-z0-9._-]*(:[A-Za-z0-9][A-Za-z0-9._-]*)?$")
@@ -709,7 +683,13 @@ def ollama_commands(modelfile: str | Path, name: str) -> str:
         raise FreetuneError(f"{name!r} is not a valid Ollama model name: use lowercase letters, digits, '-', '_' "
                             f"and '.', optionally 'namespace/' before and ':tag' after (e.g. 'svg-coder:q8').")
     modelfile = Path(modelfile).expanduser().absolute()
-    return f"ollama create {name} -f {modelfile}\nollama run {name}"
+    commands = f"ollama create {name} -f {modelfile}\nollama run {name}"
+    f16 = modelfile.with_name(F16_MODELFILE)
+    if f16.is_file():
+        base = name.split(":")[0]
+        commands += (f"\n# q4_k_m, the size Ollama users pull (~40% smaller than q8_0), quantised by Ollama from "
+                     f"the f16 GGUF:\nollama create {base}:q4_k_m -q q4_K_M -f {f16}")
+    return commands
 
 
 # --------------------------------------------------------------------------------------------------------------

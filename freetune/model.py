@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from freetune import bnb_cpu, params
+from freetune import bnb_cpu, params, templates
 from freetune.distributed import print0
 from freetune.errors import FreetuneError, reason
 from freetune.fast import VARLEN_ATTENTION, register_attention
@@ -35,7 +35,9 @@ def _check_model_source(model_id: str) -> None:
         require_hub(f"the model {model_id!r}", "model_id")
 
 
-def load_tokenizer(model_id: str):
+def load_tokenizer(model_id: str, chat_template: str = "auto"):
+    """The model's tokenizer; chat_template: "auto" keeps its own chat template, a name from
+    freetune.templates.TEMPLATES ("chatml", "llama3", "zephyr") replaces it (a base model has none)."""
     from transformers import AutoTokenizer
 
     _check_model_source(model_id)
@@ -44,6 +46,7 @@ def load_tokenizer(model_id: str):
     except OSError as exc:
         raise FreetuneError(f"Could not load the tokenizer of {model_id!r}: {reason(exc)}. Check `model_id`, "
                             f"that this machine is online, and HF_TOKEN for gated models.") from exc
+    templates.apply(tokenizer, chat_template, model_id)
     if tokenizer.pad_token is None:
         # A pad token equal to EOS would hide EOS from the loss (padding is masked): prefer a distinct token.
         tokenizer.pad_token = tokenizer.unk_token or tokenizer.eos_token
@@ -56,8 +59,8 @@ def check_chat_template(tokenizer, dataset) -> str:
     if not conversational:
         return "completion only (prompt/completion text)"
     if not tokenizer.chat_template:
-        raise FreetuneError("The data is chat-shaped but the tokenizer has no chat template. Use an instruct/chat "
-                            "model, or give plain-text `prompt`/`completion` columns.")
+        raise FreetuneError("The data is chat-shaped but the model's tokenizer has no chat template (a base model?). "
+                            f"{templates.describe_choices(tokenizer)} Or use an instruct/chat model.")
     if "messages" in dataset.column_names:
         from trl.chat_template_utils import get_training_chat_template, has_generation_markers
 
@@ -68,8 +71,8 @@ def check_chat_template(tokenizer, dataset) -> str:
                 raise FreetuneError(
                     "This model's chat template cannot mark assistant turns, so the loss cannot be limited to the "
                     "answers. Either map the data to `prompt`/`completion` columns (the `columns` parameter), or "
-                    "use a model whose template TRL knows (Qwen2.5/3, Llama 3, Gemma, Phi-3, ...), or add "
-                    "{% generation %} markers to the template.") from exc
+                    "use a model whose template TRL knows (Qwen2.5/3, Llama 3, Gemma, Phi-3, ...), or set "
+                    f"`chat_template` to a template freetune marks. {templates.describe_choices(tokenizer)}") from exc
         return "assistant turns only (chat template with generation markers)"
     return "completion only (chat prompt/completion)"
 

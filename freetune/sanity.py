@@ -6,7 +6,9 @@ varied prompts, greedy and with a few seeds at a temperature, from the base mode
 and reports:
 - the share of the most common output (near-identical ones counted together) and the distinct-output ratio,
 - repeated n-gram rate (looping), how often generation stopped at EOS, mean length,
-- a verdict: "collapsed" when one output answers most of the varied prompts, with that output shown,
+- one verdict per model that weighs all of it: "collapsed" when one output answers most of the varied prompts
+  (that output shown), "weak" when its outputs ignore the prompt, loop, never stop or are empty, "inconclusive"
+  when the prompts cannot show collapse, "ok" only when nothing looks wrong,
 - the recipe's task metrics (freetune.tasks) for both.
 
 It reuses one base model for both sides (peft's `disable_adapter()` gives the base outputs), so memory is
@@ -38,6 +40,11 @@ from freetune.data import completion_text, prompt_messages
 from freetune.errors import FreetuneError
 from freetune.tasks import TASK_NAMES, load_task
 
+# One verdict per model, the worst its findings imply: "ok" only when nothing looks wrong; "inconclusive" when the
+# prompts cannot show collapse; "weak" when the outputs ignore the prompt, loop, run on or are empty; "collapsed"
+# when one output answers most prompts.
+OK, INCONCLUSIVE, WEAK, COLLAPSED = "ok", "inconclusive", "weak", "collapsed"
+VERDICTS = (OK, INCONCLUSIVE, WEAK, COLLAPSED)
 # One output making up at least this share of the generations, over varied prompts, is collapse. Raised when
 # the references themselves repeat (a yes/no task), so a model answering "yes" as often as its data does is
 # not flagged.
@@ -221,8 +228,9 @@ def sanity_report(generations: list[Generation], references: list[str] | None = 
     and sampled pooled: an estimate of how much of the model's probability mass, over varied prompts, sits on
     one answer), and it answers two or more different prompts. references (the data's answers for the same
     prompts, optional) raise that bar to their own most-common share + REFERENCE_MARGIN, for tasks whose right
-    answers repeat. Otherwise "ok"; `warnings` says what else looks wrong (greedy outputs that ignore the
-    prompt, no EOS, loops, empty outputs).
+    answers repeat. `warnings` says what else looks wrong, and weighs in the verdict: greedy outputs that ignore
+    the prompt, no EOS, loops or empty outputs make it "weak"; one prompt, or references that repeat as much as
+    collapse would, make it "inconclusive"; "ok" only without any.
     """
     if not generations:
         raise FreetuneError("No generations to check: the sanity report needs outputs for at least two prompts.")
@@ -254,27 +262,35 @@ def sanity_report(generations: list[Generation], references: list[str] | None = 
     tokens = [g.new_tokens for g in generations if g.new_tokens is not None]
     ngram_rate = repeated_ngram_rate(texts)
     empty_share = sum(not t.strip() for t in texts) / n
-    warnings = []
+    found = []  # (verdict it implies, warning)
     if n_prompts < 2:
-        warnings.append("Only one prompt: collapse across prompts cannot be judged. Give several varied rows.")
+        found.append((INCONCLUSIVE, "Only one prompt: collapse across prompts cannot be judged. Give several "
+                                    "varied rows."))
     if reference_share is not None and threshold >= 1:
-        warnings.append(f"The references repeat too ({reference_share:.0%} share one answer): collapse cannot be "
-                        f"told from the task's own answers. Pick more varied rows.")
+        found.append((INCONCLUSIVE, f"The references repeat too ({reference_share:.0%} share one answer): collapse "
+                                    f"cannot be told from the task's own answers. Pick more varied rows."))
     if not collapsed and greedy_cluster and len(greedy_cluster.prompts) >= 2 and greedy_share >= threshold:
-        warnings.append(f"Greedy decoding gives the same output for {len(greedy_cluster.prompts)} of "
-                        f"{len(greedy)} prompts, though samples vary: the model does not follow the prompt yet "
-                        f"(undertrained?): {_shorten(greedy_cluster.text, 120)!r}")
+        found.append((WEAK, f"Greedy decoding gives the same output for {len(greedy_cluster.prompts)} of "
+                            f"{len(greedy)} prompts, though samples vary: the model does not follow the prompt yet "
+                            f"(undertrained?): {_shorten(greedy_cluster.text, 120)!r}"))
     if eos_rate < 0.5:
-        warnings.append(f"Only {eos_rate:.0%} of generations ended with EOS; the rest ran to max_new_tokens. "
-                        f"Either max_new_tokens is too small for this task, or the model did not learn to stop "
-                        f"(check that the EOS token is inside the labels and that pad is not the EOS token).")
+        found.append((WEAK, f"Only {eos_rate:.0%} of generations ended with EOS; the rest ran to max_new_tokens. "
+                            f"Either max_new_tokens is too small for this task, or the model did not learn to stop "
+                            f"(check that the EOS token is inside the labels and that pad is not the EOS token)."))
     if ngram_rate > 0.5:
-        warnings.append(f"{ngram_rate:.0%} of {NGRAM}-grams repeat within their output: the model loops.")
+        found.append((WEAK, f"{ngram_rate:.0%} of {NGRAM}-grams repeat within their output: the model loops."))
     if empty_share > 0.25:
-        warnings.append(f"{empty_share:.0%} of outputs are empty.")
+        found.append((WEAK, f"{empty_share:.0%} of outputs are empty."))
+    warnings = [text for _, text in found]
+    verdict = COLLAPSED if collapsed else max((v for v, _ in found), key=VERDICTS.index, default=OK)
+    if verdict == WEAK:
+        reason = (f"{sum(v == WEAK for v, _ in found)} warning(s) about the outputs themselves (below); not collapsed: "
+                  + reason)
+    elif verdict == INCONCLUSIVE:
+        reason = "collapse cannot be judged on these prompts (below); " + reason
 
     return {
-        "verdict": "collapsed" if collapsed else "ok",
+        "verdict": verdict,
         "reason": reason,
         "generations": n,
         "prompts": n_prompts,
@@ -381,7 +397,8 @@ class ComparisonReport:
                        f'pre-wrap">{esc(_shorten(self.adapter["most_common_output"], 1000))}</pre></div>')
         out.append("<table><thead><tr><th>metric</th><th>base</th><th>adapter</th></tr></thead><tbody>")
         for label, base, adapter in self.rows():
-            style = ' style="color:#c00;font-weight:bold"' if adapter == "collapsed" else ""
+            style = ' style="color:#c00;font-weight:bold"' if adapter == COLLAPSED else (
+                ' style="color:#b60"' if adapter == WEAK else "")
             out.append(f"<tr><td>{esc(label)}</td><td>{esc(base)}</td><td{style}>{esc(adapter)}</td></tr>")
         out.append("</tbody></table>")
         for side in ("base", "adapter"):

@@ -20,7 +20,7 @@ import time
 import warnings
 from pathlib import Path
 
-from freetune import checkpoint, fast, kernels, params
+from freetune import bnb_cpu, checkpoint, fast, kernels, params, tracking
 from freetune.console import duration
 from freetune.distributed import COLLECTIVE_TIMEOUT_S, WriteTracer, check_replicas_agree, context, print0
 from freetune.errors import FreetuneError
@@ -53,8 +53,12 @@ def make_config(paths: Paths, plan: Plan, *, max_steps: int, micro_batch: int, g
                 learning_rate: float, max_length: int, optimizer: str = "auto",
                 max_grad_norm: float = 1.0, warmup_ratio: float = 0.03, logging_steps: int = 1,
                 save_steps: int = 50, save_total_limit: int = 3, gradient_checkpointing: bool | None = None,
-                seed: int = 0, assistant_only: bool = False, num_epochs: float = 1.0):
+                seed: int = 0, assistant_only: bool = False, num_epochs: float = 1.0, eval_steps: int = 0,
+                report_to: str = "none"):
     """An SFTConfig that follows the plan's precision and device; every knob here is a recipe parameter.
+
+    eval_steps: evaluate the held-out rows every N steps (0: never); report_to: "none", "tensorboard" or "trackio"
+    (freetune.tracking).
 
     save_total_limit: complete checkpoints kept (at least 2: the newest can be cut short by a disconnect while
     the one before it is what a rerun resumes from).
@@ -112,7 +116,6 @@ def make_config(paths: Paths, plan: Plan, *, max_steps: int, micro_batch: int, g
         save_strategy="steps",
         save_steps=save_steps,
         save_total_limit=save_total_limit,
-        report_to=[],
         disable_tqdm=True,
         seed=seed,
         data_seed=seed,
@@ -141,6 +144,7 @@ def make_config(paths: Paths, plan: Plan, *, max_steps: int, micro_batch: int, g
         # stream of their own) when the plan says they take a real share of the GPU (preflight.choose_offload).
         activation_offloading=plan.offload_activations and gradient_checkpointing,
         **fsdp_settings(plan),
+        **tracking.sft_fields(paths, report_to=report_to, eval_steps=eval_steps, micro_batch=micro_batch),
     )
     config.freetune_batching = plan.batching  # read by train(); TRL's own padding_free refuses max_length
     config.freetune_sampler = plan.sampler  # read by fast.trainer_class
@@ -200,6 +204,9 @@ class ProgressPrinter:
                 self.last = (self.start, state.global_step, None)
 
             def on_log(self, args, state, control, logs=None, **kwargs):
+                if state.is_world_process_zero and logs and "eval_loss" in logs:
+                    print(f"step {state.global_step:>5}/{total_steps}  eval loss {logs['eval_loss']:.4f}  "
+                          f"(held-out rows)", flush=True)
                 if not state.is_world_process_zero or not logs or "loss" not in logs:
                     return
                 now = time.time()
@@ -287,6 +294,11 @@ def train(model, tokenizer, train_dataset, config, *, paths: Paths, eval_dataset
 
     if len(train_dataset) == 0:
         raise FreetuneError("No training rows left (after cleaning). Check the data set and the audit above.")
+    if config.eval_strategy == "no":
+        eval_dataset = None  # not evaluated: not tokenised either
+    elif not eval_dataset:
+        raise FreetuneError(f"eval_steps={config.eval_steps} needs held-out rows to evaluate: set eval_rows (e.g. 16), "
+                            f"or eval_steps to 0.")
     ctx = context()
     budget_s, budget_text = checkpoint.time_budget(time_budget_min, paths.platform)
     hub = None
@@ -304,10 +316,13 @@ def train(model, tokenizer, train_dataset, config, *, paths: Paths, eval_dataset
     trainer = checkpoint.trainer_class(fast.trainer_class(SFTTrainer))(
         model=model, args=config, train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=tokenizer,
         callbacks=[adapter_dtype_guard(),  # LoRA stays fp32: TRL casts it to bf16, fatal on a T4
-                   ProgressPrinter(config.max_steps), guard, stopper, *extra_callbacks], hub=hub)
+                   ProgressPrinter(config.max_steps), guard, tracking.overfit_watch(), stopper, *extra_callbacks],
+        hub=hub)
     from transformers.trainer_callback import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)  # it prints raw log dicts; ProgressPrinter prints one clean line
+    if eval_dataset is not None:
+        bnb_cpu.keep_training_layout(trainer.model)  # evaluations between steps must not repack it for inference
     fast.apply_batching(trainer, getattr(config, "freetune_batching", "padded"))
     if getattr(config, "freetune_sampler", "") == "rank_balanced" and trainer.args.world_size > 1:
         print0(f"Sampler: each optimizer step's rows are dealt to the {trainer.args.world_size} ranks by length, "
@@ -376,6 +391,7 @@ def train(model, tokenizer, train_dataset, config, *, paths: Paths, eval_dataset
         "peak_memory_of": where,
         "world_size": trainer.args.world_size,
         "adapter": paths.adapter,
+        **tracking.eval_summary(trainer.state.log_history),
     }
     if sharded or trainer.is_world_process_zero():
         # Under FSDP gathering the adapter is a collective: every rank takes part, the Trainer writes on rank 0 only.
@@ -426,26 +442,46 @@ def show_summary(paths: Paths) -> dict:
           f"process(es): {summary['tokens']:,} tokens ({rate}), peak "
           f"{summary['peak_memory_of']} {summary['peak_memory_gib']:.2f} GiB, loss {summary['first_loss']:.4f} -> "
           f"{summary['last_loss']:.4f}. Adapter: {summary['adapter']}")
-    points = [(h["step"], h["loss"], h.get("learning_rate")) for h in history if "loss" in h]
-    if points:
-        import matplotlib
-
-        if "ipykernel" not in os.environ.get("MPLBACKEND", "") and not _in_notebook():
-            matplotlib.use("Agg")
+    evals = tracking.eval_points(history)
+    if evals:
+        print(f"Held-out (eval) loss: {evals[0][1]:.4f} at step {evals[0][0]} -> {evals[-1][1]:.4f} at step "
+              f"{evals[-1][0]} (best {summary['best_eval_loss']:.4f} at step {summary['best_eval_step']}).")
+    if summary.get("overfitting"):
+        print(f"WARNING: {summary['overfitting']}")
+    fig = loss_figure(history)
+    if fig is not None:
         import matplotlib.pyplot as plt
 
-        fig, (ax_loss, ax_lr) = plt.subplots(1, 2, figsize=(10, 3.2))
-        steps = [p[0] for p in points]
-        ax_loss.plot(steps, [p[1] for p in points], marker=".")
-        ax_loss.set(title="training loss", xlabel="step")
-        ax_lr.plot(steps, [p[2] or 0 for p in points], color="tab:orange")
-        ax_lr.set(title="learning rate", xlabel="step")
-        fig.tight_layout()
         fig.savefig(reports / "loss.png", dpi=90)
         if _in_notebook():
             plt.show()
         plt.close(fig)
     return summary
+
+
+def loss_figure(history: list[dict]):
+    """Training and held-out loss, and the learning rate, against step (None when nothing was logged)."""
+    points = [(h["step"], h["loss"], h.get("learning_rate")) for h in history if "loss" in h]
+    if not points:
+        return None
+    import matplotlib
+
+    if "ipykernel" not in os.environ.get("MPLBACKEND", "") and not _in_notebook():
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_lr) = plt.subplots(1, 2, figsize=(10, 3.2))
+    steps = [p[0] for p in points]
+    ax_loss.plot(steps, [p[1] for p in points], marker=".", label="training")
+    evals = tracking.eval_points(history)
+    if evals:
+        ax_loss.plot([e[0] for e in evals], [e[1] for e in evals], marker="o", label="held-out (eval)")
+        ax_loss.legend()
+    ax_loss.set(title="loss", xlabel="step")
+    ax_lr.plot(steps, [p[2] or 0 for p in points], color="tab:orange")
+    ax_lr.set(title="learning rate", xlabel="step")
+    fig.tight_layout()
+    return fig
 
 
 def _in_notebook() -> bool:

@@ -31,10 +31,9 @@
 model_id: str = "TinyLlama/TinyLlama-1.1B-Chat-v1.0"  # hub id or local folder; 1.1B fits 4 GB
 dataset: str = "yahma/alpaca-cleaned"  # hub id or local file
 dataset_split: str = "train"  # which split of the hub data set to read
-columns: dict = {
-    "prompt": ["instruction", "input"], "completion": "output",
-}  # Alpaca's columns -> prompt/completion
+columns: dict = {}  # Alpaca's instruction/input/output are read as they are; map others
 system_prompt: str = "You are a helpful assistant."  # shown to the model in every row
+chat_template: str = "auto"  # "auto": the model's own; else "chatml", "llama3" or "zephyr"
 auto_clean: bool = True  # drop the rows the audit flags (empty, junk repeats) before training
 accept_data_problems: bool = False  # True: train even if blocking problems remain (you have looked)
 
@@ -58,6 +57,7 @@ gradient_checkpointing: str = "auto"  # "auto": on if the batch needs it (~30% s
 precision: str = "auto"  # "auto" picks from the GPU; "fp16" forces the T4 policy, "bf16" Ampere's
 gpu_memory_cap_gib: float = 0.0  # emulate a smaller card on a bigger one (e.g. 4.0); 0: no cap
 logging_steps: int = 1  # print progress and GPU memory at every step: the point of this recipe
+report_to: str = "none"  # also log to "tensorboard" or "trackio" (files in the run folder)
 ddp_processes: int = 0  # torchrun processes to start; 0 means one per visible GPU
 seed: int = 0  # data order, held-out rows and LoRA initialisation
 
@@ -72,6 +72,7 @@ use_drive: bool = False  # Colab: keep the run folder on Google Drive so it outl
 
 # Evaluation
 eval_rows: int = 16  # rows held out (never trained on) for the base-vs-adapter check at the end
+eval_steps: int = 50  # held-out (eval) loss every N steps, in the progress and the plot; 0: never
 sanity_rows: int = 6  # prompts generated from, base vs adapter, in the evaluation
 max_new_tokens: int = 128  # generation length in the evaluation
 
@@ -100,6 +101,7 @@ plan = freetune.preflight.make_plan(
     lora_rank=lora_rank, gradient_checkpointing=gradient_checkpointing, optimizer=optimizer, precision=precision,
     memory_budget_gib=gpu_memory_cap_gib or None,
 )
+freetune.tracking.check_options(report_to=report_to, eval_steps=eval_steps, eval_rows=eval_rows)
 for repo in (hub_repo, hub_checkpoint_repo):  # a missing token must stop us now, not after hours of training
     if repo:
         freetune.secrets.hf_token(required=True, purpose=f"push to {repo}")
@@ -115,7 +117,7 @@ print(f"run folder: {paths.run_dir}")
 # (a pipeline's error string, say), duplicates, and rows `max_length` would cut.
 
 # %%
-tokenizer = freetune.model.load_tokenizer(model_id)
+tokenizer = freetune.model.load_tokenizer(model_id, chat_template=chat_template)
 rows = freetune.data.normalize(freetune.data.load_rows(dataset, split=dataset_split), columns=columns)
 rows = freetune.data.as_chat(rows, system_prompt)  # an instruct model learns best in its own chat format
 train_rows, held_out = freetune.data.split_eval(rows, eval_rows, seed=seed)
@@ -144,7 +146,7 @@ freetune.data.save_prepared(paths.data, train_rows, held_out)
 # %% tags=["train"]
 dist = freetune.distributed.init()
 train_rows, held_out = freetune.data.load_prepared(paths.data)
-tokenizer = freetune.model.load_tokenizer(model_id)
+tokenizer = freetune.model.load_tokenizer(model_id, chat_template=chat_template)
 model = freetune.model.load_base_model(model_id, plan, local_rank=dist.local_rank,
                                        gradient_checkpointing=plan.gradient_checkpointing,
                                        memory_cap_gib=gpu_memory_cap_gib)
@@ -163,9 +165,11 @@ config = freetune.train.make_config(
     learning_rate=learning_rate, max_length=plan.max_length, optimizer=optimizer, max_grad_norm=max_grad_norm,
     logging_steps=logging_steps, save_steps=save_steps, gradient_checkpointing=plan.gradient_checkpointing,
     seed=seed, assistant_only="messages" in train_rows.column_names,
+    eval_steps=eval_steps, report_to=report_to,
 )
 summary = freetune.train.train(model, tokenizer, train_rows, config, paths=paths,
-                               time_budget_min=time_budget_min, hub_checkpoint_repo=hub_checkpoint_repo)
+                               time_budget_min=time_budget_min, hub_checkpoint_repo=hub_checkpoint_repo,
+                               eval_dataset=held_out)
 del model  # free the GPU for the evaluation below
 freetune.distributed.cleanup()
 
@@ -183,12 +187,25 @@ comparison = freetune.sanity.compare(model_id, paths.adapter, freetune.sanity.pi
 comparison
 
 # %% [markdown]
+# ## Try it
+# Type a prompt and watch the adapter answer as it writes (an empty prompt ends). Run headless
+# (papermill, CI), nobody can type, so it answers a few held-out prompts instead.
+
+# %% [markdown] tags=["kaggle"]
+# This cell runs here in the notebook, on one GPU, after the torchrun job has ended.
+
+# %%
+answers = freetune.chat.try_it(model_id, paths.adapter, held_out,
+                               system_prompt=system_prompt or None, max_new_tokens=max_new_tokens)
+
+# %% [markdown]
 # ## Export
 # The adapter (a few MB to a few hundred) is always saved in the run folder. To run the model at home:
 # `export_gguf=True` merges it into a 16-bit copy of the base model (on the GPU if it fits, else on the CPU;
-# RAM and disk are checked first), converts that with llama.cpp's own converter (f16 and q8_0; q4_k_m when
-# llama.cpp's `llama-quantize` is built) and writes an Ollama Modelfile. The converter comes from PyPI's
-# llama-cpp-python source package, or `git clone --depth 1 https://github.com/ggml-org/llama.cpp`.
+# RAM and disk are checked first), converts that with llama.cpp's own converter (f16 and q8_0) and writes an
+# Ollama Modelfile; Ollama makes q4_k_m, the size its users pull, from the f16 file (the command is
+# printed). The converter comes from PyPI's llama-cpp-python source package, or
+# `git clone --depth 1 https://github.com/ggml-org/llama.cpp`.
 # `hub_repo` pushes the adapter, with a model card recording base model, data, recipe, parameters, audit and
 # evaluation, to a private Hub repo (token from Colab/Kaggle secrets or HF_TOKEN, never printed).
 

@@ -56,6 +56,7 @@ def main() -> int:
         params = {"model_id": str(model_dir), "dataset": str(sample_data_path(sample)), "ddp_processes": procs,
                   "max_steps": args.steps, "micro_batch": args.micro_batch, "grad_accum": args.grad_accum,
                   "max_length": args.max_length, "logging_steps": 1, "save_steps": 1000, "eval_rows": 4,
+                  "eval_steps": 0,  # tokens/s of the training steps alone
                   "sanity_rows": 1, "max_new_tokens": 16, "output_dir": str(run_out / "runs")}
         cmd = [sys.executable, str(ROOT / "scripts" / "run_recipe.py"), args.recipe, "--target", "kaggle",
                "--out", str(run_out)]

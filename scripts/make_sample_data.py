@@ -4,9 +4,12 @@ Deterministic (seeded), so rerunning it reproduces the committed files byte for 
 varied on purpose: the embedded default and CI train on them with a tiny model on a CPU.
 
 - svg_sample.jsonl: like thesantatitan/deepseek-svg-dataset: `prompt` (a description) -> `completion` (SVG code).
-- alpaca_sample.jsonl: instruction / input / output rows, trained through a column mapping.
+- alpaca_sample.jsonl: instruction / input / output rows (the Alpaca shape, recognised by its column names).
 - home_assistant_sample.jsonl: like a Home Assistant requests -> JSON action set, as `messages`: a system turn
   listing the home's entities, the user's request, and the assistant's JSON action.
+- multiturn_sample.jsonl: `messages` with two or three exchanges each (a follow-up question builds on the answer
+  before it), so every assistant turn carries loss, not only the last.
+- sharegpt_sample.jsonl: ShareGPT rows, `conversations` of {"from": "system" | "human" | "gpt", "value": ...} turns.
 
 Usage: python scripts/make_sample_data.py [--out freetune/sample_data]
 """
@@ -125,6 +128,57 @@ def alpaca_rows(n: int, rng: random.Random) -> list[dict]:
     return rows
 
 
+WORDS = ["kitchen", "garden", "window", "yellow", "planet", "rocket", "silver", "forest", "bridge", "candle",
+         "basket", "pencil", "summer", "winter", "orange", "castle", "dragon", "island", "jacket", "ladder",
+         "magnet", "needle", "pepper", "rabbit", "saddle", "tunnel", "velvet", "walnut", "anchor", "button"]
+
+
+def _exchange(rng: random.Random) -> list[tuple[str, str]]:
+    """Two or three (question, answer) pairs in which each follow-up needs the answer before it."""
+    kind = rng.choice(["sum", "word", "list"])
+    if kind == "sum":
+        a, b, c = rng.randint(2, 60), rng.randint(2, 60), rng.randint(2, 9)
+        turns = [(f"What is {a} plus {b}?", f"{a} plus {b} is {a + b}."),
+                 (f"And that times {c}?", f"{a + b} times {c} is {(a + b) * c}.")]
+        if rng.random() < 0.5:
+            turns.append(("Is that an even number?", "Yes, it is even." if (a + b) * c % 2 == 0 else "No, it is odd."))
+        return turns
+    if kind == "word":
+        word = rng.choice(WORDS)
+        follow_ups = [("Now in capital letters.", word[::-1].upper()),
+                      ("What is its first letter?", f"The first letter is {word[-1]}."),
+                      ("How many letters is that?", f"{len(word)} letters.")]
+        return [(f"Spell {word} backwards.", word[::-1])] + rng.sample(follow_ups, rng.choice([1, 2]))
+    items = rng.sample(COLOURS, 3)
+    return [(f"Sort these colours alphabetically: {', '.join(items)}.", ", ".join(sorted(items))),
+            ("Which one comes last?", sorted(items)[-1].capitalize() + ".")]
+
+
+def conversations(n: int, rng: random.Random) -> list[list[tuple[str, str]]]:
+    """n conversations of (role, text) turns: half open with a system turn, then two or three exchanges."""
+    rows = []
+    for _ in range(n):
+        turns = [("system", "You answer briefly.")] if rng.random() < 0.5 else []
+        for question, answer in _exchange(rng):
+            turns += [("user", question), ("assistant", answer)]
+        rows.append(turns)
+    return rows
+
+
+def multiturn_rows(n: int, rng: random.Random) -> list[dict]:
+    """Chat `messages` of several exchanges: the loss must be on every assistant turn."""
+    return [{"messages": [{"role": r, "content": t} for r, t in turns]} for turns in conversations(n, rng)]
+
+
+SHAREGPT_SPEAKERS = {"system": "system", "user": "human", "assistant": "gpt"}
+
+
+def sharegpt_rows(n: int, rng: random.Random) -> list[dict]:
+    """ShareGPT's shape: `conversations` of {"from": "system" | "human" | "gpt", "value": ...}."""
+    return [{"conversations": [{"from": SHAREGPT_SPEAKERS[r], "value": t} for r, t in turns]}
+            for turns in conversations(n, rng)]
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(row, sort_keys=True) + "\n" for row in rows))
 
@@ -138,7 +192,9 @@ def main() -> None:
     write_jsonl(out / "svg_sample.jsonl", svg_rows(240, random.Random(0)))
     write_jsonl(out / "home_assistant_sample.jsonl", home_assistant_rows(240, random.Random(1)))
     write_jsonl(out / "alpaca_sample.jsonl", alpaca_rows(240, random.Random(2)))
-    print(f"wrote svg_sample.jsonl, home_assistant_sample.jsonl and alpaca_sample.jsonl to {out}")
+    write_jsonl(out / "multiturn_sample.jsonl", multiturn_rows(240, random.Random(3)))
+    write_jsonl(out / "sharegpt_sample.jsonl", sharegpt_rows(240, random.Random(4)))
+    print(f"wrote svg, home_assistant, alpaca, multiturn and sharegpt _sample.jsonl files to {out}")
 
 
 if __name__ == "__main__":

@@ -33,7 +33,8 @@ EMBEDDED = {
     "tiny_4gb": {"architecture": "llama", "sample": "alpaca"},
 }
 CPU_SIZED = {"max_steps": 8, "micro_batch": 2, "grad_accum": 1, "max_length": 256, "learning_rate": 2e-2,
-             "logging_steps": 1, "save_steps": 4, "eval_rows": 8, "sanity_rows": 2, "max_new_tokens": 32}
+             "logging_steps": 1, "save_steps": 4, "eval_rows": 8, "eval_steps": 2, "sanity_rows": 2,
+             "max_new_tokens": 32}
 
 
 # Parameters that may name a local file or folder. The kernel's working folder is --out, not the caller's.

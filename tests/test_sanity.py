@@ -80,14 +80,15 @@ def test_collapse_into_a_stub_among_samples():
 
 def test_greedy_that_ignores_the_prompt_is_warned_about():
     report = sanity_report(gens(["same answer"] * 8) + gens(VARIED, mode="seed 0") + gens(VARIED[::-1], mode="seed 1"))
-    assert report["verdict"] == "ok"
+    assert report["verdict"] == "weak"  # not collapsed (samples vary), and not "ok" next to this warning
     assert report["greedy_most_common_share"] == 1.0
     assert any("Greedy decoding gives the same output for 8 of 8 prompts" in w for w in report["warnings"])
+    assert "1 warning(s) about the outputs" in report["reason"]
 
 
 def test_one_prompt_cannot_collapse():
     report = sanity_report([Generation(0, "greedy", STUB), Generation(0, "seed 0", STUB)])
-    assert report["verdict"] == "ok"
+    assert report["verdict"] == "inconclusive"
     assert any("Only one prompt" in w for w in report["warnings"])
 
 
@@ -108,6 +109,23 @@ def test_eos_loops_and_empty_outputs_are_reported():
     assert repeated_ngram_rate([looping]) > 0.8 and repeated_ngram_rate(VARIED[:4]) == 0.0
     warnings = " ".join(report["warnings"])
     assert "ended with EOS" in warnings and "loops" in warnings and "empty" in warnings
+    assert report["verdict"] == "collapsed"  # the worst finding decides: the loops are one near-identical output
+
+
+def test_the_table_gives_each_model_one_verdict_that_weighs_its_warnings():
+    from freetune.sanity import ComparisonReport
+
+    ignoring = gens(["same answer"] * 8) + gens(VARIED, mode="seed 0") + gens(VARIED[::-1], mode="seed 1")
+    following = gens(VARIED) + gens(VARIED[::-1], mode="seed 0")
+    report = ComparisonReport(base=sanity_report(ignoring), adapter=sanity_report(following), base_task=None,
+                              adapter_task=None, task=None, prompts=VARIED, references=[None] * 8,
+                              base_generations=ignoring, adapter_generations=following)
+    verdicts = next(r for r in report.rows() if r[0] == "verdict")
+    assert verdicts == ("verdict", "weak", "ok")
+    lines = report.table().splitlines()
+    assert any(line.startswith("base: WEAK: 1 warning(s)") for line in lines)
+    assert any(line.startswith("base: warning: Greedy decoding") for line in lines)
+    assert not any(line.startswith("adapter: warning") for line in lines)
 
 
 # ------------------------------------------------------------------------------------- adapter folders
