@@ -150,6 +150,12 @@ class AuditReport:
     engine: str | None = None                     # what tokenised the rows (same ids either way; not in to_dict)
 
     @property
+    def longest_row(self) -> int | None:
+        """Tokens of the longest row (before any cleaning), None when no tokenizer counted them: what the memory
+        plan is sized for (freetune.preflight.replan)."""
+        return self.tokens["sequence_tokens"]["max"] if self.tokens else None
+
+    @property
     def blocking(self) -> list[Finding]:
         return [f for f in self.findings if f.severity == BLOCKING]
 

@@ -648,6 +648,9 @@ def make_plan(hardware: Hardware | None = None, *, model_shape: ModelShape | str
 def replan(plan: Plan, hardware: Hardware | None = None, **changes) -> Plan:
     """The plan make_plan gives for the same arguments with `changes` (e.g. the data's longest_row once the audit has
     counted it), on this machine (read now unless `hardware` is given)."""
+    changes = {k: v for k, v in changes.items() if v is not None}  # None: not known (e.g. no tokenizer counted)
+    if not changes or not plan.asked:  # nothing new, or a plan made by hand (no arguments to replan from)
+        return plan
     asked = {**plan.asked, **changes}
     if isinstance(asked.get("model_shape"), dict):  # a plan read back from a job file (dataclasses.asdict)
         asked["model_shape"] = ModelShape(**asked["model_shape"])

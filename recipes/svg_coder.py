@@ -130,6 +130,8 @@ train_rows, audit_report, cleaning = freetune.audit.audit_and_clean(
     train_rows, tokenizer=tokenizer, max_length=plan.max_length, checks=freetune.tasks.svg.AUDIT_CHECKS,
     eval_dataset=held_out, auto_clean=auto_clean, accept_problems=accept_data_problems,
 )
+plan = freetune.preflight.replan(plan, longest_row=audit_report.longest_row)  # sized for these rows
+print(f"Plan for these rows: {plan.one_line()}")
 freetune.data.save_prepared(paths.data, train_rows, held_out)
 
 # %% [markdown]
