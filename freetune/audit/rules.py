@@ -70,31 +70,31 @@ def _repeat_findings(completions: list[str], requests: Callable[[int], str], *, 
         return share >= repeat_share_block and (len(text) < SHORT_REPEAT_RATIO * median_chars
                                                 or few_distinct and share >= DOMINANT_SHARE)
 
-    def describe(text: str, rows: list[int]) -> dict:
-        return {"completion": _cut(text), "rows": len(rows), "share": _share(len(rows), total),
-                "chars": len(text), "example_prompts": [_cut(requests(i), 100) for i in rows[:3]]}
+    def summary(group: list[tuple[str, list[int]]]) -> tuple[list[int], str, dict]:
+        """(rows, the example a message names, details) of a group of repeated answers, most repeated first."""
+        rows = sorted(i for _, r in group for i in r)
+        top_text, top_rows = group[0]
+        top = [{"completion": _cut(text), "rows": len(r), "share": _share(len(r), total), "chars": len(text),
+                "example_prompts": [_cut(requests(i), 100) for i in r[:3]]} for text, r in group[:TOP_EXAMPLES]]
+        return rows, f"{_cut(top_text, 60)!r} x{len(top_rows):,}", {"completions": len(group), "top": top}
 
     findings = []
     junk = [(t, r) for t, r in repeated if is_junk(t, r)]
     other = [(t, r) for t, r in repeated if not is_junk(t, r)]
     if junk:
-        rows = sorted(i for _, r in junk for i in r)
-        top_text, top_rows = junk[0]
+        rows, example, details = summary(junk)
         findings.append(Finding(
             "repeated", "repeated", BLOCKING, "repeated short completion",
-            f"{_n(len(junk), 'short completion')} repeated verbatim over {_n(len(rows), 'row')}, e.g. "
-            f"{_cut(top_text, 60)!r} x{len(top_rows):,}: cheap to memorise, they can become the answer to "
-            f"every prompt.{_few_answers_note(len(groups)) if few_distinct else ''}", rows, len(rows),
-            {"completions": len(junk), "top": [describe(t, r) for t, r in junk[:TOP_EXAMPLES]]}))
+            f"{_n(len(junk), 'short completion')} repeated verbatim over {_n(len(rows), 'row')}, e.g. {example}: "
+            f"cheap to memorise, they can become the answer to every prompt."
+            f"{_few_answers_note(len(groups)) if few_distinct else ''}", rows, len(rows), details))
     if other:
-        rows = sorted(i for _, r in other for i in r)
-        top_text, top_rows = other[0]
+        rows, example, details = summary(other)
         findings.append(Finding(
             "repeated_other", "repeated", WARNING, "repeated completion",
             f"{_n(len(other), 'completion')} each in {repeat_min_rows}+ rows ({_n(len(rows), 'row')}), e.g. "
-            f"{_cut(top_text, 60)!r} x{len(top_rows):,}; as long as typical answers or rare, so kept. Check "
-            f"they are real answers.", rows, len(rows),
-            {"completions": len(other), "top": [describe(t, r) for t, r in other[:TOP_EXAMPLES]]}))
+            f"{example}; as long as typical answers or rare, so kept. Check they are real answers.",
+            rows, len(rows), details))
     return findings
 
 

@@ -28,35 +28,20 @@ def audit(dataset, *, tokenizer=None, max_length: int | None = None, checks: dic
     assistant_only: for `messages` rows, whether training puts the loss on assistant turns only (TRL's
         assistant_only_loss, counted with TRL's own assistant mask) or on every token. Pass what training uses.
     """
-    timings: dict[str, float] = {}
-    clock = time.perf_counter()
-
-    def lap(phase: str) -> None:
-        nonlocal clock
-        now = time.perf_counter()
-        timings[phase] = now - clock
-        clock = now
-
+    lap = _Laps()
     shape = _shape(dataset)
     if len(dataset) == 0:
         raise FreetuneError("The data set has no rows to audit. Check the `dataset` parameter and its split.")
     rows = dataset.to_list()
     completions = [_safe_completion(r) for r in rows]
     prompts = [_safe_prompt(r) for r in rows]
-    total = len(rows)
     lap("read rows")
 
-    lengths = sorted(len(c.strip()) for c in completions if c.strip())
     def requests(i: int) -> str:
         return _request(rows[i])
 
-    findings: list[Finding] = []
-    empty = _empty_finding(completions)
-    repeats = _repeat_findings(completions, requests, repeat_min_rows=repeat_min_rows,
-                               repeat_share_block=repeat_share_block)
-    junk = next((f for f in repeats if f.id == "repeated"), None)
-    short = _short_finding(completions, min_completion_chars, set(junk.rows) if junk else set())
-    findings += [f for f in (empty, *repeats, short) if f is not None]
+    findings = _text_findings(completions, requests, min_completion_chars=min_completion_chars,
+                              repeat_min_rows=repeat_min_rows, repeat_share_block=repeat_share_block)
     lap("text checks")
 
     findings += _check_findings(rows, dict(checks or {}))
@@ -71,14 +56,8 @@ def audit(dataset, *, tokenizer=None, max_length: int | None = None, checks: dic
 
     invalid = {i for f in findings if f.severity == BLOCKING for i in f.rows}
     findings += _duplicate_findings(prompts, completions, invalid, requests)
-    eval_rows = None
     if eval_dataset is not None:
-        eval_rows = len(eval_dataset)
-        _shape(eval_dataset)
-        eval_prompts = {_prompt_key(_safe_prompt(r)) for r in eval_dataset.to_list()}
-        overlap = _overlap_finding(prompts, eval_prompts, requests)
-        if overlap is not None:
-            findings.append(overlap)
+        findings += _eval_overlap(prompts, eval_dataset, requests)
     lap("duplicates")
 
     # Blocking first, then the biggest: the table reads in order of what to look at.
@@ -90,21 +69,63 @@ def audit(dataset, *, tokenizer=None, max_length: int | None = None, checks: dic
         "repeat_share_block": repeat_share_block,
         "assistant_only": assistant_only,
         "checks": sorted(checks or {}),
-        "eval_rows": eval_rows,
-        # Class and special tokens, not name_or_path: a folder path would differ between machines.
-        "tokenizer": None if tokenizer is None else {
-            "class": type(tokenizer).__name__, "vocab_size": len(tokenizer),
-            "chat_template": bool(getattr(tokenizer, "chat_template", None)),
-            "eos_token": tokenizer.eos_token, "pad_token": tokenizer.pad_token},
+        "eval_rows": None if eval_dataset is None else len(eval_dataset),
+        "tokenizer": _tokenizer_settings(tokenizer),
     }
-    completion_chars = ({"min": lengths[0], "median": _nearest_rank(lengths, 0.5), "max": lengths[-1]}
-                        if lengths else {"min": 0, "median": 0, "max": 0})
-    timings["total"] = sum(timings.values())
-    found = {f.id: f.count for f in findings}
     measured = {"empty": True, "repeated": True, "repeated_other": True, "short": True, "duplicate": True,
                 "conflict": True, "overlap": eval_dataset is not None,
                 "no_trainable_tokens": tokenizer is not None, "eos_not_in_labels": tokenizer is not None,
                 "truncated": tokenizer is not None and max_length is not None,
                 **{f"check:{name}": True for name in checks or {}}}
+    found = {f.id: f.count for f in findings}
     counts = {key: found.get(key, 0) if ok else None for key, ok in measured.items()}
-    return AuditReport(total, shape, settings, findings, completion_chars, token_stats, counts, timings, engine)
+    lap.timings["total"] = sum(lap.timings.values())
+    return AuditReport(len(rows), shape, settings, findings, _completion_chars(completions), token_stats, counts,
+                       lap.timings, engine)
+
+
+class _Laps:
+    """Seconds per phase of the audit (AuditReport.timings): lap("tokens") closes the phase that just ended."""
+
+    def __init__(self):
+        self.timings: dict[str, float] = {}
+        self._clock = time.perf_counter()
+
+    def __call__(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.timings[phase] = now - self._clock
+        self._clock = now
+
+
+def _text_findings(completions: list[str], requests, *, min_completion_chars: int, repeat_min_rows: int,
+                   repeat_share_block: float) -> list[Finding]:
+    """Empty, repeated and very short answers; an answer counted as junk repeat is not reported as short too."""
+    empty = _empty_finding(completions)
+    repeats = _repeat_findings(completions, requests, repeat_min_rows=repeat_min_rows,
+                               repeat_share_block=repeat_share_block)
+    junk = next((f for f in repeats if f.id == "repeated"), None)
+    short = _short_finding(completions, min_completion_chars, set(junk.rows) if junk else set())
+    return [f for f in (empty, *repeats, short) if f is not None]
+
+
+def _eval_overlap(prompts: list[str], eval_dataset, requests) -> list[Finding]:
+    _shape(eval_dataset)  # the evaluation split must be normalised too
+    eval_prompts = {_prompt_key(_safe_prompt(r)) for r in eval_dataset.to_list()}
+    overlap = _overlap_finding(prompts, eval_prompts, requests)
+    return [overlap] if overlap is not None else []
+
+
+def _tokenizer_settings(tokenizer) -> dict | None:
+    # Class and special tokens, not name_or_path: a folder path would differ between machines.
+    if tokenizer is None:
+        return None
+    return {"class": type(tokenizer).__name__, "vocab_size": len(tokenizer),
+            "chat_template": bool(getattr(tokenizer, "chat_template", None)),
+            "eos_token": tokenizer.eos_token, "pad_token": tokenizer.pad_token}
+
+
+def _completion_chars(completions: list[str]) -> dict:
+    lengths = sorted(len(c.strip()) for c in completions if c.strip())
+    if not lengths:
+        return {"min": 0, "median": 0, "max": 0}
+    return {"min": lengths[0], "median": _nearest_rank(lengths, 0.5), "max": lengths[-1]}
