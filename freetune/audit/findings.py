@@ -10,19 +10,11 @@ from typing import Callable
 
 # The recipe parameters the messages name, so a user knows exactly what to change.
 ACCEPT_PARAMETER = "accept_data_problems"
-
-
 CLEAN_PARAMETER = "auto_clean"
 
-
 BLOCKING, WARNING = "blocking", "warning"
-
-
 TOP_EXAMPLES = 5          # repeats, conflicts and check reasons listed in a finding's details
-
-
 EXAMPLE_CHARS = 120       # examples are cut to this length in reports
-
 
 Check = Callable[[dict], "str | None"]
 

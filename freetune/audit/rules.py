@@ -23,18 +23,13 @@ WHY_REPEATS_DOMINATE = (
     "says to every prompt. Removing such rows costs almost nothing; training on them can cost the whole run."
 )
 
-
 # A repeated answer counts as junk when it is shorter than this share of the median distinct answer: an error
 # string among SVG files is (29 vs ~250 characters), the same Home Assistant action asked in other words is not.
 SHORT_REPEAT_RATIO = 0.5
-
-
 # With fewer distinct answers than this there is no typical length to compare with (a data set whose every answer is
 # one stub has a single distinct answer, its own yardstick): an answer given verbatim to at least DOMINANT_SHARE of
 # the rows is then junk whatever its length. Class labels look the same; the message says how to keep them.
 MIN_DISTINCT_FOR_MEDIAN = 5
-
-
 DOMINANT_SHARE = 0.5
 
 
