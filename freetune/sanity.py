@@ -38,6 +38,7 @@ from types import ModuleType
 
 from freetune.data import completion_text, prompt_messages
 from freetune.errors import FreetuneError
+from freetune.resources import release_memory
 from freetune.tasks import TASK_NAMES, load_task
 
 # One verdict per model, the worst its findings imply: "ok" only when nothing looks wrong; "inconclusive" when the
@@ -525,10 +526,6 @@ def compare(base_model: str | Path, adapter_dir: str | Path, rows, *, task: str 
     This loads a second copy of the base: free the training model first on a small GPU, or call
     compare_model on the model already in memory.
     """
-    import gc
-
-    import torch
-
     adapter_dir = resolve_adapter_dir(adapter_dir)
     model, tokenizer = load_for_comparison(base_model, adapter_dir, plan=plan)
     try:
@@ -537,9 +534,7 @@ def compare(base_model: str | Path, adapter_dir: str | Path, rows, *, task: str 
                              adapter_dir=str(adapter_dir))
     finally:
         del model
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        release_memory()
 
 
 def pick_rows(dataset, n: int) -> list[dict]:
