@@ -18,7 +18,8 @@ def audit(dataset, *, tokenizer=None, max_length: int | None = None, checks: dic
           repeat_share_block: float = 0.005, assistant_only: bool = True) -> AuditReport:
     """Audit a normalised data set (see freetune.data.normalize); returns an AuditReport.
 
-    tokenizer: a tokenizer, or a model folder / hub id to load one from; None skips the token checks.
+    tokenizer: a tokenizer, or a model folder / hub id to load it from as training does
+        (freetune.model.load_tokenizer); None skips the token checks.
     max_length: the training max_length; rows longer are reported as truncated.
     checks: {name: check(row) -> None if fine, else a short reason}, e.g. freetune.tasks.svg.AUDIT_CHECKS.
     eval_dataset: the evaluation split (normalised); training rows whose prompt is in it are flagged.

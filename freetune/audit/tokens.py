@@ -21,16 +21,12 @@ TOKENIZE_BATCH = 2048     # rows per tokeniser call: big enough for the Rust sid
 
 
 def _load_tokenizer(tokenizer):
+    """A tokenizer as given, or loaded from a model folder / hub id as training loads it."""
     if not isinstance(tokenizer, str):
         return tokenizer
-    from transformers import AutoTokenizer
+    from freetune.model import load_tokenizer
 
-    try:
-        return AutoTokenizer.from_pretrained(tokenizer)
-    except Exception as exc:
-        raise FreetuneError(f"Could not load a tokenizer from {tokenizer!r}: {type(exc).__name__}: "
-                            f"{str(exc)[:200]}. Give a model folder or hub id (`model`), or no tokenizer to skip "
-                            f"the token checks.") from exc
+    return load_tokenizer(tokenizer)
 
 
 def _conversations(rows: list[dict], shape: str) -> tuple[list[list[dict]], list[list[dict]]]:
