@@ -70,6 +70,33 @@ def dequantize_absmax(absmax, absmax2, code2, offset, blocksize2, dtype2):
             + offset).float()
 
 
+def pack_mask(kept):
+    """Dropout's keep-mask (tokens, n) as bits: (tokens, ceil(n / 8)) uint8, 1 bit per element instead of a byte.
+
+    Every LoRA projection draws its own mask and the fused layer saves each one for its backward: as bytes they were a
+    quarter of a compiled layer's saved activations (seven masks, the MLP's intermediate one the widest; a memory
+    snapshot at the peak on a GPU, docs/performance.md). Used inside compiled layers, where it fuses into the dropout
+    kernel."""
+    import torch
+
+    tokens, n = kept.shape
+    pad = -n % 8
+    bits = kept.to(torch.uint8)
+    if pad:
+        bits = torch.nn.functional.pad(bits, (0, pad))
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=kept.device)
+    return (bits.view(tokens, -1, 8) * weights).sum(-1, dtype=torch.uint8)
+
+
+def unpack_mask(packed, n: int, dtype):
+    """pack_mask's bits back as a 0/1 mask of `dtype`, (tokens, n)."""
+    import torch
+
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    bits = packed.unsqueeze(-1).bitwise_right_shift(shifts).bitwise_and_(1)
+    return bits.view(packed.shape[0], -1)[:, :n].to(dtype)
+
+
 def _function():
     import torch
 
@@ -89,13 +116,18 @@ def _function():
             mask = None
             if dropout_p > 0.0:
                 xd, mask = torch.native_dropout(x2, dropout_p, True)
+                if torch.compiler.is_compiling():
+                    # Packed where the packing fuses into the dropout kernel; an eager layer keeps the bool mask
+                    # (packing there would add a dozen launches per projection to a launch-bound step).
+                    mask = pack_mask(mask)
             else:
                 xd = x2
             h = xd @ a.t()                                   # (tokens, r)
             y.addmm_(h, b.t(), alpha=scaling)                # + s * h B^T, in place: no extra (tokens, out) tensor
-            # The input, not its dropped copy, is saved (with the 1-byte mask): q, k, v (and gate, up) read the same
-            # input, which is then kept once for all of them instead of one 16-bit copy per projection; the backward
-            # drops it again. Under checkpointing that is the largest part of a layer's recompute memory.
+            # The input, not its dropped copy, is saved (with the mask): q, k, v (and gate, up)
+            # read the same input, which is then kept once for all of them instead of one 16-bit copy per
+            # projection; the backward drops it again. Under checkpointing that is the largest part of a layer's
+            # recompute memory.
             ctx.save_for_backward(weight, absmax, x2, mask, h, a, b)
             ctx.spec = spec
             ctx.scaling, ctx.dropout_p = scaling, dropout_p
@@ -107,7 +139,10 @@ def _function():
 
         @staticmethod
         def backward(ctx, dy):
-            weight, absmax, x2, mask, h, a, b = ctx.saved_tensors
+            weight, absmax, x2, packed, h, a, b = ctx.saved_tensors
+            mask = packed
+            if packed is not None and packed.dtype == torch.uint8:
+                mask = unpack_mask(packed, x2.shape[-1], x2.dtype)
             s = ctx.scaling
             compute = ctx.spec[3]
             shape = dy.shape

@@ -254,6 +254,17 @@ COMPILED_ACTIVATION_SHARE = 0.34
 # freetune.kernels' fused LoRA layers save their input once (shared by the projections that read it) and dropout's
 # 1-byte mask, where peft's layers keep each projection's dropped 16-bit copy: bytes per token less, per dimension.
 FUSED_DROPOUT_SAVING = dict(hidden=10, q=2, intermediate=2)
+# ... and, compiled, it saves each projection's dropout mask packed, 1 bit per input element instead of the byte these
+# counts (and the compiled share) were measured with: this many bytes per input element less (LoRA dropout > 0
+# assumed, as in the recipes).
+PACKED_MASK_SAVING = 7 / 8
+
+
+def packed_mask_saving(shape: ModelShape, lora_targets="all-linear") -> float:
+    """Bytes per token per layer that freetune.kernels.pack_mask saves in a compiled layer: every adapted projection's
+    mask, as bits."""
+    dims = shape.linear_dims()
+    return PACKED_MASK_SAVING * sum(dims[m][0] for m in shape.lora_modules(lora_targets))
 
 
 def activation_bytes_per_token(shape: ModelShape, *, lora_rank: int, lora_targets="all-linear",
@@ -271,6 +282,8 @@ def activation_bytes_per_token(shape: ModelShape, *, lora_rank: int, lora_target
                       + FUSED_DROPOUT_SAVING["intermediate"] * shape.intermediate)
     if compiled:
         per_layer *= COMPILED_ACTIVATION_SHARE
+        if lora_kernel == "fused":
+            per_layer -= packed_mask_saving(shape, lora_targets)
     backward = BACKWARD_BYTES["hidden"] * shape.hidden + BACKWARD_BYTES["intermediate"] * shape.intermediate
     residual = 2 if _is_16bit(frozen_dtype) else 4
     # The embedding output and the final norm's input/output.

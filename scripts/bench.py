@@ -75,7 +75,7 @@ TARGET_X = {"4gb": 1.3, "t4": 1.3, "uncapped": 1.8}
 LEAN_X = 1.3
 # --variants keys that are not plan fields: experiments on top of freetune's path. The DDP ones change nothing in
 # one process, so a variant made only of them runs under DDP only (compared with freetune's own 1-GPU run).
-EXPERIMENTS = ("liger", "cpp_wrapper", "dense_head", "no_packed_check", "pin_cores", "ddp_split",
+EXPERIMENTS = ("liger", "cpp_wrapper", "dense_head", "no_packed_check", "pin_cores", "byte_masks", "ddp_split",
                "static_graph", "bucket_view", "bucket_mb", "flat_sync")
 DDP_EXPERIMENTS = ("ddp_split", "static_graph", "bucket_view", "bucket_mb", "flat_sync")
 
@@ -536,6 +536,11 @@ def apply_experiments(experiments: dict, shape: ModelShape, local_rank: int) -> 
             return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
 
         transformers.masking_utils.find_packed_sequence_indices = packed_rows
+    if experiments.get("byte_masks"):  # the fused LoRA layers' dropout masks saved a byte per element, not packed bits
+        import freetune.kernels
+
+        freetune.kernels.pack_mask = lambda kept: kept
+        freetune.kernels.unpack_mask = lambda kept, n, dtype: kept.to(dtype)
     if experiments.get("liger"):  # Liger's Triton RMSNorm, SwiGLU and RoPE (not its loss: TRL's head is chunked)
         import liger_kernel.transformers as liger
 
@@ -676,7 +681,8 @@ def main(argv=None) -> int:
                         help="extra freetune runs with plan choices changed, ';'-separated 'label:field=value,...' "
                              "(e.g. 'eager:compile=false;peft:lora_kernel=peft,optimizer=paged_adamw_8bit'); also the "
                              "experiments liger=true (Liger's RMSNorm/SwiGLU/RoPE, liger-kernel installed), "
-                             "cpp_wrapper=true (inductor's C++ wrapper), dense_head=true and no_packed_check=true (two "
+                             "cpp_wrapper=true (inductor's C++ wrapper), byte_masks=true (dropout masks a byte per "
+                             "element, as before freetune.kernels.pack_mask), dense_head=true and no_packed_check=true (two "
                              "host syncs per step removed), pin_cores=true (apply_experiments) and "
                              "the DDP settings ddp_split=true, "
                              "static_graph=true, bucket_view=true, bucket_mb=N, flat_sync=true (apply_ddp_experiments; "

@@ -143,6 +143,38 @@ def test_fused_dropout_uses_one_mask_for_output_and_gradients(tiny_model_dir):
     assert 0.55 < kept < 0.85  # about 1 - p of the inputs reach the adapter
 
 
+@pytest.mark.parametrize("width", [8, 13, 64])
+def test_dropout_masks_are_saved_as_bits_and_read_back_whole(width):
+    kept = torch.rand(37, width, generator=torch.Generator().manual_seed(width)) > 0.3
+    packed = kernels.pack_mask(kept)
+    assert packed.dtype == torch.uint8 and packed.shape == (37, -(-width // 8))
+    assert torch.equal(kernels.unpack_mask(packed, width, torch.float16), kept.to(torch.float16))
+
+
+def test_a_compiled_layer_saves_its_dropout_masks_as_bits(tiny_model_dir):
+    """What a compiled layer's backward keeps of dropout is the packed mask (a bit per input element), not a byte per
+    element; the eager layer keeps the bool mask (no packing launches there). Both train through the same mask."""
+    import torch._dynamo
+
+    model = quantized_lora_model(tiny_model_dir, torch.float32, dropout=0.1)
+    layer = model.get_base_model().model.layers[0].mlp.down_proj
+    kernels.use_fused_lora(model)
+    x = torch.randn(3, 5, layer.in_features, requires_grad=True)
+    masks = {}
+    for mode, run in (("eager", layer), ("compiled", torch.compile(layer, backend="aot_eager", fullgraph=True))):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            y = run(x)
+        y.sum().backward()
+        assert x.grad is not None and torch.isfinite(x.grad).all()
+        x.grad = None
+        masks[mode] = {(t.dtype, t.numel()) for t in saved  # (the packed 4-bit weight aside)
+                       if t.dtype in (torch.uint8, torch.bool) and t.shape[0] == 15}
+    torch._dynamo.reset()
+    assert masks["eager"] == {(torch.bool, 15 * layer.in_features)}
+    assert masks["compiled"] == {(torch.uint8, 15 * -(-layer.in_features // 8))}
+
+
 def test_evaluation_and_unsupported_layers_keep_peft_forward(tiny_model_dir):
     model = quantized_lora_model(tiny_model_dir, torch.float32)
     kernels.use_fused_lora(model)
