@@ -320,42 +320,7 @@ def _check_against_sdpa(device_index: int, backend: str) -> str:
     return ""
 
 
-def choose_batching(policy: str, gpus_capability: list[tuple[int, int]], micro_batch: int) -> tuple[str, str, str]:
-    """(batching, attn_implementation or "" to keep the plan's, why) for a policy ('turing', 'ampere', 'cpu')."""
-    if micro_batch <= 1:
-        return "padded", "", "one row per forward pass: nothing to pad"
-    if policy == "cpu":
-        # A CPU run is a check, not a training run: it keeps the plain stack's batches, so its losses can be
-        # compared with the plain stack's row for row (LoRA dropout draws other masks for a packed row). On a
-        # CPU sdpa would also compute a packed row's dense block-diagonal mask in full, as on a T4.
-        return "padded", "", "a CPU run is a check: the plain stack's padded batches, same rows, same dropout draws"
-    if policy in POLICY_BACKENDS and gpus_capability:
-        import torch
-
-        # This process's GPU (under torchrun, LOCAL_RANK's): probing GPU 0 from every rank would put a CUDA
-        # context on it for each of them.
-        ok, why = varlen_works(torch.cuda.current_device() if torch.cuda.is_available() else 0, policy)
-        if ok:
-            kernel = ("the memory-efficient variable-length attention kernel, which a T4 (sm75) runs too,"
-                      if varlen_backend(torch.cuda.current_device() if torch.cuda.is_available() else 0) ==
-                      "efficient" else "variable-length FlashAttention")
-            return ("padding_free", VARLEN_ATTENTION,
-                    f"rows concatenated (padded to a multiple of 8 tokens only); {kernel} keeps them apart ({why})")
-        return ("grouped", "", f"padded batches of similar length, little padding (no padding-free kernel: {why})")
-    return ("grouped", "", "padded batches of similar length, little padding")
-
-
 # ------------------------------------------------------------------------------------------------ sampler --
-
-def choose_sampler(batching: str, processes: int) -> tuple[str, str]:
-    """(sampler, why): which rows each rank gets in each micro-batch."""
-    if processes > 1:
-        return "rank_balanced", (f"each optimizer step's rows dealt to the {processes} ranks by length, equal "
-                                 f"tokens each: no rank waits for a longer one at the gradient all-reduce")
-    if batching == "grouped":
-        return "length_grouped", "rows of similar length share a padded micro-batch"
-    return "random", "rows in random order"
-
 
 def step_rows(order: list[int], lengths: list[int], ranks: int, grad_accum: int) -> list[list[list[int]]]:
     """One optimizer step's rows, `order` (dataset indices), dealt out as [rank][micro-batch] -> indices.

@@ -209,17 +209,6 @@ def fusable(module) -> str:
     return ""
 
 
-def choose_lora_kernel(device: str, layout: str) -> tuple[str, str]:
-    """(kernel, why) for the plan: "fused" on a GPU, peft's own layers elsewhere."""
-    if device != "cuda":
-        return "peft", ("a CPU run is a check: peft's layers, whose dropout draws match the plain stack's "
-                        "(a CPU is bound by arithmetic, not by launches)")
-    if layout == "fsdp":
-        return "peft", "FSDP flattens the 4-bit weights into its shards; peft's layers read them back from there"
-    return "fused", ("one autograd node per LoRA 4-bit layer instead of ~10 (freetune.kernels): the step of a "
-                     "small model is bound by kernel launches, not by the GPU's arithmetic")
-
-
 def use_fused_lora(model) -> tuple[int, int]:
     """Give every fusable LoRA 4-bit layer of `model` the fused forward; returns (fused, LoRA layers seen).
 
@@ -251,22 +240,6 @@ def use_fused_lora(model) -> tuple[int, int]:
             setattr(module, FUSED_ATTR, True)
         fused += 1
     return fused, seen
-
-
-def choose_compile(compile_layers: str, device: str, layout: str) -> tuple[bool, str]:
-    """(compile each decoder layer?, why) for the plan; compile_layers is "auto", "on" or "off"."""
-    if compile_layers not in ("auto", "on", "off"):
-        from freetune.errors import FreetuneError
-
-        raise FreetuneError(f"compile = {compile_layers!r}: use 'auto' (on a GPU), 'on' or 'off'.")
-    if compile_layers != "auto":
-        return compile_layers == "on", "as given"
-    if device != "cuda":
-        return False, "a CPU run is a check: eager, as the plain stack runs"
-    if layout == "fsdp":
-        return False, "FSDP: its flat parameters and compiled layers are not combined here"
-    return True, ("torch.compile per decoder layer: its norms, rotary, SiLU-gate and casts fuse into a few kernels, "
-                  "fewer launches and less activation memory; the first steps compile (a minute or two)")
 
 
 def compile_layers(model, backend: str = "inductor") -> int:
