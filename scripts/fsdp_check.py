@@ -133,7 +133,8 @@ def worker(args) -> int:
             paths, plan, max_steps=args.steps, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
             learning_rate=1e-4, max_length=args.max_length, optimizer="adamw_torch", logging_steps=1,
             save_steps=args.steps, save_total_limit=2, gradient_checkpointing=True, seed=0)
-        summary = freetune.train.train(model, tokenizer, synthetic_rows(256, args.max_length), config, paths=paths)
+        summary = freetune.train.train(model, tokenizer, synthetic_rows(256, args.max_length), config, plan=plan,
+                                       paths=paths)
         history = json.loads((run_dir / "reports" / "log_history.json").read_text()) if ctx.is_main else []
         record.update(status="trained", steps=summary["steps"], resumed_from=summary["resumed_from"],
                       first_loss=summary["first_loss"], last_loss=summary["last_loss"], wall_s=summary["wall_s"],

@@ -73,8 +73,9 @@ def test_padding_free_path_matches_the_plain_loss_and_computes_no_padding(tiny_m
     plain.train()
     plain_losses = losses(plain.state.log_history)
 
-    paths, model, config = model_and_config(Plan(**common, batching="padding_free"), "fast")
-    summary = freetune.train.train(model, tokenizer, varied_rows(), config, paths=paths, resume=False)
+    fast_plan = Plan(**common, batching="padding_free")
+    paths, model, config = model_and_config(fast_plan, "fast")
+    summary = freetune.train.train(model, tokenizer, varied_rows(), config, plan=fast_plan, paths=paths, resume=False)
     fast_history = json.loads((tmp_path / "fast" / "reports" / "log_history.json").read_text())
     fast_losses = losses(fast_history)
 

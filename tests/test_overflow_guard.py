@@ -49,7 +49,7 @@ def run(tmp_path, model_dir, *, poison_at: int, logging_steps: int, save_steps: 
         optimizer="adamw_torch", logging_steps=logging_steps, save_steps=save_steps, save_total_limit=2, seed=0)
     with pytest.raises(FreetuneError) as caught:
         freetune.train.train(model, freetune.model.load_tokenizer(str(model_dir)), synthetic_rows(), config,
-                             paths=paths, extra_callbacks=[poison_after(poison_at)])
+                             plan=plan, paths=paths, extra_callbacks=[poison_after(poison_at)])
     return str(caught.value), paths
 
 
