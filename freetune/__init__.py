@@ -24,6 +24,7 @@ Modules, in the order a recipe uses them:
   tasks        per-recipe validity checks and metrics (SVG, Home Assistant)
   export       merge, GGUF, Ollama Modelfile, Hub upload
   fixtures     offline stand-ins: a tiny model of a real architecture and Qwen's real tokenizer
+  resources    free RAM, disk (Kaggle's quota counted) and GPU memory; handing a model's memory back
 """
 
 import importlib
@@ -44,7 +45,7 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
 
 _SUBMODULES = {"params", "platform", "preflight", "choices", "memory", "data", "audit", "model", "train", "trainer",
                "overrides", "distributed", "launch", "checkpoint", "sanity", "tasks", "export", "secrets", "fixtures",
-               "templates", "tracking", "chat"}
+               "templates", "tracking", "chat", "resources"}
 
 
 # A notebook shows freetune's lines and its errors' messages, not the libraries' bars and chained tracebacks.

@@ -11,10 +11,10 @@ you see here is what `ollama run` will give.
 
 from __future__ import annotations
 
-import gc
 import sys
 
 from freetune.data import prompt_messages
+from freetune.resources import release_memory
 
 # The Modelfile's defaults too (freetune.export.write_modelfile).
 SAMPLING = {"temperature": 0.7, "top_p": 0.8, "repetition_penalty": 1.05}
@@ -65,8 +65,6 @@ def try_it(base_model: str, adapter_dir: str, held_out=None, *, system_prompt: s
 
     held_out: the held-out rows; headless, `rows` of their prompts are answered (their own system turns kept).
     system_prompt: the system turn of typed prompts (default: the held-out rows' own, else none)."""
-    import torch
-
     from freetune.sanity import load_for_comparison, pick_rows
 
     model, tokenizer = load_for_comparison(base_model, adapter_dir, plan=plan)
@@ -95,6 +93,4 @@ def try_it(base_model: str, adapter_dir: str, held_out=None, *, system_prompt: s
         return answers
     finally:
         del model
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        release_memory()

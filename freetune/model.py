@@ -43,7 +43,7 @@ def load_tokenizer(model_id: str, chat_template: str = "auto"):
     _check_model_source(model_id)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_id)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # missing files; a tokenizer class transformers does not know
         raise FreetuneError(f"Could not load the tokenizer of {model_id!r}: {reason(exc)}. Check `model_id`, "
                             f"that this machine is online, and HF_TOKEN for gated models.") from exc
     templates.apply(tokenizer, chat_template, model_id)
@@ -89,14 +89,23 @@ def cap_gpu_memory(cap_gib: float, device: int = 0) -> None:
     print(f"GPU memory capped at {cap_gib:.2f} of {total:.1f} GiB (emulating a smaller card)", flush=True)
 
 
+def nf4_config(compute_dtype, storage=None):
+    """QLoRA's 4-bit quantisation (transformers' BitsAndBytesConfig): NF4 with double quantisation, the matmuls in
+    compute_dtype. storage: the dtype the packed 4-bit weights are kept in (None: uint8)."""
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=compute_dtype, bnb_4bit_quant_storage=storage or torch.uint8)
+
+
 def load_base_model(model_id: str, plan: Plan, *, local_rank: int = 0, gradient_checkpointing: bool | None = None,
                     quantize: bool = True, memory_cap_gib: float = 0.0):
     """The base model in 4-bit NF4 (double quantisation), prepared for k-bit training on this rank's device.
 
     gradient_checkpointing: None follows the plan."""
-    import torch
     from peft import prepare_model_for_kbit_training
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers import AutoModelForCausalLM
 
     _check_model_source(model_id)
     if memory_cap_gib and plan.device == "cuda":
@@ -111,15 +120,11 @@ def load_base_model(model_id: str, plan: Plan, *, local_rank: int = 0, gradient_
     kwargs = dict(dtype=plan.torch_dtype, attn_implementation=plan.attn_implementation)
     fsdp = plan.layout == "fsdp"
     if quantize:
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=plan.torch_dtype,
-            # FSDP shards floating-point tensors only, and flattens one dtype per wrapped decoder layer: the packed
-            # 4-bit weights are stored in the compute dtype (same bytes, 2 or 4 weights per element) so that
-            # they shard beside the layer's norms. uint8 storage fails there ("Integer parameters are unsupported")
-            # or, under FSDP2, silently loses the quantisation state (accelerate issue #3983).
-            bnb_4bit_quant_storage=plan.torch_dtype if fsdp else torch.uint8,
-        )
+        # FSDP shards floating-point tensors only, and flattens one dtype per wrapped decoder layer: the packed
+        # 4-bit weights are stored in the compute dtype (same bytes, 2 or 4 weights per element) so that
+        # they shard beside the layer's norms. uint8 storage fails there ("Integer parameters are unsupported")
+        # or, under FSDP2, silently loses the quantisation state (accelerate issue #3983).
+        kwargs["quantization_config"] = nf4_config(plan.torch_dtype, storage=plan.torch_dtype if fsdp else None)
     if fsdp:
         # A model that does not fit one GPU is quantised in host memory (by global rank 0 alone, see
         # _load_fsdp_rank0_only), and FSDP then moves it to the GPU one wrapped decoder layer at a time, keeping

@@ -25,6 +25,7 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass, field, replace
 
+from freetune import resources
 from freetune.choices import (choose_attention, choose_batching, choose_budget,
                               choose_checkpoint_every, choose_checkpointing, choose_compile, choose_frozen_dtype,
                               choose_layout, choose_lora_kernel, choose_offload, choose_optimizer, choose_policy,
@@ -138,26 +139,14 @@ def torch_supports(capability: tuple[int, int], arch_list: list[str]) -> bool:
 
 
 def _disk_free_gib(folder: str) -> float | None:
-    # The folder may not exist yet (the run creates it): measure the filesystem it will be created on.
-    path = os.path.abspath(os.path.expanduser(folder))
-    while not os.path.exists(path) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)
     try:
-        return round(shutil.disk_usage(path).free / GIB, 1)
+        return round(resources.free_disk_bytes(folder) / GIB, 1)
     except OSError:
         return None
 
 
 def _ram_gib() -> tuple[float | None, float | None]:
-    try:
-        with open("/proc/meminfo") as f:
-            info = {line.split(":")[0]: int(line.split()[1]) for line in f if line.strip()}
-        return round(info["MemTotal"] / 2**20, 1), round(info.get("MemAvailable", info["MemFree"]) / 2**20, 1)
-    except (OSError, KeyError, ValueError, IndexError):
-        try:
-            return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB, 1), None
-        except (ValueError, OSError, AttributeError):
-            return None, None
+    return tuple(None if n is None else round(n / GIB, 1) for n in resources.ram_bytes())
 
 
 def _driver_version() -> str | None:

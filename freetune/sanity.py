@@ -36,8 +36,10 @@ from difflib import SequenceMatcher
 from pathlib import Path
 from types import ModuleType
 
+from freetune.checkpoint import checkpoint_step
 from freetune.data import completion_text, prompt_messages
 from freetune.errors import FreetuneError
+from freetune.resources import release_memory
 from freetune.tasks import TASK_NAMES, load_task
 
 # One verdict per model, the worst its findings imply: "ok" only when nothing looks wrong; "inconclusive" when the
@@ -453,11 +455,6 @@ def compare_model(model, tokenizer, rows, *, task: str | ModuleType | None = Non
         base_generations=base_generations, adapter_generations=adapter_generations, adapter_dir=adapter_dir)
 
 
-def _checkpoint_step(path: Path) -> int:
-    match = re.fullmatch(r"checkpoint-(\d+)", path.name)
-    return int(match.group(1)) if match else -1
-
-
 def resolve_adapter_dir(adapter_dir: str | Path) -> Path:
     """The folder itself when it holds an adapter (final folder or a Trainer checkpoint-N), else a FreetuneError
     that says which folder to pass instead."""
@@ -468,7 +465,7 @@ def resolve_adapter_dir(adapter_dir: str | Path) -> Path:
     if (path / "adapter_config.json").exists():
         return path
     checkpoints = sorted((p for p in path.glob("checkpoint-*") if (p / "adapter_config.json").exists()),
-                         key=_checkpoint_step)
+                         key=lambda p: -1 if checkpoint_step(p) is None else checkpoint_step(p))
     if checkpoints:
         names = ", ".join(p.name for p in checkpoints)
         raise FreetuneError(f"{str(path)!r} holds no adapter of its own (no adapter_config.json), but has saved "
@@ -487,17 +484,15 @@ def load_for_comparison(base_model: str | Path, adapter_dir: str | Path, plan=No
     """
     import torch
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     adapter_dir = resolve_adapter_dir(adapter_dir)
     if torch.cuda.is_available():
+        from freetune.model import nf4_config
         from freetune.preflight import make_plan
 
         dtype = (plan or make_plan()).torch_dtype
-        kwargs = dict(dtype=dtype, device_map={"": torch.cuda.current_device()},
-                      quantization_config=BitsAndBytesConfig(
-                          load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                          bnb_4bit_compute_dtype=dtype))
+        kwargs = dict(dtype=dtype, device_map={"": torch.cuda.current_device()}, quantization_config=nf4_config(dtype))
     else:  # bf16 matmuls are slow on most CPUs, and 4-bit brings nothing where memory is plentiful
         kwargs = dict(dtype=torch.float32)
     print(f"Loading {base_model} with the trained adapter ...", flush=True)
@@ -525,10 +520,6 @@ def compare(base_model: str | Path, adapter_dir: str | Path, rows, *, task: str 
     This loads a second copy of the base: free the training model first on a small GPU, or call
     compare_model on the model already in memory.
     """
-    import gc
-
-    import torch
-
     adapter_dir = resolve_adapter_dir(adapter_dir)
     model, tokenizer = load_for_comparison(base_model, adapter_dir, plan=plan)
     try:
@@ -537,9 +528,7 @@ def compare(base_model: str | Path, adapter_dir: str | Path, rows, *, task: str 
                              adapter_dir=str(adapter_dir))
     finally:
         del model
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        release_memory()
 
 
 def pick_rows(dataset, n: int) -> list[dict]:

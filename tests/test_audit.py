@@ -340,8 +340,8 @@ def test_token_counts_match_trl(tokenizer, tiny_model_dir, tmp_path):
 
 def test_tiktoken_twin_gives_the_tokenizers_ids(tokenizer, home_assistant_sample, monkeypatch):
     tiktoken = pytest.importorskip("tiktoken")
-    import freetune.audit as audit_module
-    from freetune.audit import _PROBE, tiktoken_twin
+    import freetune.audit.twin as audit_module
+    from freetune.audit.twin import _PROBE, tiktoken_twin
 
     twin, why = tiktoken_twin(tokenizer)
     assert twin is not None, why

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from freetune import export
+from freetune import export, resources
 from freetune.errors import FreetuneError
 from freetune.secrets import ENV_VARS
 
@@ -186,10 +186,10 @@ def test_kaggle_working_folder_counts_its_20_gb_quota(tmp_path, monkeypatch):
     working = tmp_path / "kaggle" / "working"
     (working / "checkpoints").mkdir(parents=True)
     (working / "checkpoints" / "optimizer.pt").write_bytes(b"x" * 600)
-    monkeypatch.setattr(export, "KAGGLE_WORKING", working)
-    monkeypatch.setattr(export, "KAGGLE_WORKING_QUOTA", 1000)
-    assert export._free_disk(working / "run" / "merged") == 400  # the quota left, not the disk's free space
-    assert export._free_disk(tmp_path / "elsewhere") > 1000
+    monkeypatch.setattr(resources, "KAGGLE_WORKING", working)
+    monkeypatch.setattr(resources, "KAGGLE_WORKING_QUOTA", 1000)
+    assert resources.free_disk_bytes(working / "run" / "merged") == 400  # the quota left, not the disk's free space
+    assert resources.free_disk_bytes(tmp_path / "elsewhere") > 1000
 
 
 def test_a_merge_that_fails_midway_leaves_nothing_half_written(tiny_model_dir, adapter_dir, tmp_path):

@@ -1,0 +1,105 @@
+"""Cleaning and the policy: drop the flagged rows, stop while blocking problems remain unless the user accepted
+them, and the recipe's audit cell (audit, show, clean, audit again, enforce) in one call."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from freetune.audit.findings import ACCEPT_PARAMETER, BLOCKING, CLEAN_PARAMETER, Finding, _n
+from freetune.audit.report import AuditReport
+from freetune.audit.rules import WHY_REPEATS_DOMINATE
+from freetune.audit.run import audit
+from freetune.errors import FreetuneError
+
+
+@dataclass(repr=False)
+class CleanSummary:
+    """Rows before and after cleaning, and for every finding how many of its rows were there before and after."""
+
+    rows_before: int
+    rows_after: int
+    reasons: list[dict]     # {"id", "title", "severity", "dropped": bool, "before", "after"}
+
+    def to_dict(self) -> dict:
+        return {"rows_before": self.rows_before, "rows_after": self.rows_after, "reasons": self.reasons}
+
+    def __str__(self) -> str:
+        dropped = self.rows_before - self.rows_after
+        lines = [f"Cleaned: {self.rows_before:,} -> {self.rows_after:,} rows ({dropped:,} dropped; a row with "
+                 f"several problems counts under each)"]
+        width = max((len(r["title"]) for r in self.reasons), default=0)
+        for r in self.reasons:
+            action = "dropped" if r["dropped"] else f"kept ({r['severity']})"
+            lines.append(f"  {r['title']:<{width}}  {r['before']:>8,} -> {r['after']:>8,}  {action}")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+    def display(self) -> None:
+        print(self)
+
+
+def clean(dataset, report: AuditReport, drop: tuple[str, ...] | None = None):
+    """Drop the rows the report flags; returns (cleaned data set, CleanSummary).
+
+    drop: None drops the rows of every blocking finding. A tuple names finding kinds or ids to drop regardless
+    of severity, e.g. ("empty", "repeated", "check") or ("check:svg_xml", "short").
+    """
+    if len(dataset) != report.rows:
+        raise FreetuneError(f"The report describes {report.rows:,} rows but the data set has {len(dataset):,}: "
+                            f"clean the data set that was audited.")
+
+    def selected(f: Finding) -> bool:
+        return f.severity == BLOCKING if drop is None else (f.kind in drop or f.id in drop)
+
+    remove = {i for f in report.findings if selected(f) for i in f.rows}
+    keep = [i for i in range(len(dataset)) if i not in remove]
+    cleaned = dataset.select(keep) if remove else dataset
+    reasons = [{"id": f.id, "title": f.title, "severity": f.severity, "dropped": selected(f),
+                "before": f.count, "after": sum(1 for i in f.rows if i not in remove)}
+               for f in report.findings if f.rows]
+    return cleaned, CleanSummary(len(dataset), len(keep), reasons)
+
+
+def _problem_lines(findings: list[Finding], total: int) -> str:
+    return "\n".join(f"  - {f.title}: {_n(f.count, 'row')} ({100 * f.count / max(total, 1):.2f}%). {f.message}"
+                     for f in findings)
+
+
+def enforce(report: AuditReport, accept_problems: bool) -> None:
+    """Stop (FreetuneError) while blocking problems remain, unless the user accepted them; then warn."""
+    if not report.blocking:
+        return
+    problems = _problem_lines(report.blocking, report.rows)
+    if not accept_problems:
+        raise FreetuneError(
+            f"The training data still has {len(report.blocking)} blocking problem(s):\n{problems}\n"
+            f"Fix the data set, let the recipe drop these rows (`{CLEAN_PARAMETER}=True`), or set "
+            f"`{ACCEPT_PARAMETER}=True` in the parameters cell to train on them knowingly.")
+    print(f"WARNING: training on data with {len(report.blocking)} blocking problem(s), because "
+          f"{ACCEPT_PARAMETER}=True:\n{problems}")
+
+
+def audit_and_clean(dataset, *, auto_clean: bool, accept_problems: bool, **audit_kwargs):
+    """The recipe's data audit cell in one call: audit, show, clean (if auto_clean), re-audit, enforce.
+
+    Returns (data set to train on, its AuditReport, CleanSummary or None when nothing was cleaned).
+    """
+    report = audit(dataset, **audit_kwargs)
+    report.display(dropping=auto_clean)
+    if report.finding("repeated") is not None:
+        print("\nWhy repeated short answers matter: " + WHY_REPEATS_DOMINATE)
+    summary = None
+    if auto_clean and report.blocking:
+        dataset, summary = clean(dataset, report)
+        print()
+        summary.display()
+        if len(dataset) == 0:
+            raise FreetuneError(f"Every one of the {report.rows:,} rows has a blocking problem (see the table "
+                                f"above), so nothing is left to train on. Check the data set and its `columns`.")
+        report = audit(dataset, **audit_kwargs)
+        if report.blocking:
+            print()
+            report.display()
+    enforce(report, accept_problems)
+    return dataset, report, summary

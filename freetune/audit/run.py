@@ -1,0 +1,132 @@
+"""audit(): every rule over a normalised data set, in order, into one AuditReport."""
+
+from __future__ import annotations
+
+import time
+
+from freetune.audit.findings import BLOCKING, Check, Finding, _nearest_rank
+from freetune.audit.report import AuditReport
+from freetune.audit.rows import _prompt_key, _request, _safe_completion, _safe_prompt, _shape
+from freetune.audit.rules import (_check_findings, _duplicate_findings, _empty_finding, _overlap_finding,
+                                  _repeat_findings, _short_finding)
+from freetune.audit.tokens import _load_tokenizer, _token_findings
+from freetune.errors import FreetuneError
+
+
+def audit(dataset, *, tokenizer=None, max_length: int | None = None, checks: dict[str, Check] | None = None,
+          eval_dataset=None, min_completion_chars: int = 8, repeat_min_rows: int = 3,
+          repeat_share_block: float = 0.005, assistant_only: bool = True) -> AuditReport:
+    """Audit a normalised data set (see freetune.data.normalize); returns an AuditReport.
+
+    tokenizer: a tokenizer, or a model folder / hub id to load it from as training does
+        (freetune.model.load_tokenizer); None skips the token checks.
+    max_length: the training max_length; rows longer are reported as truncated.
+    checks: {name: check(row) -> None if fine, else a short reason}, e.g. freetune.tasks.svg.AUDIT_CHECKS.
+    eval_dataset: the evaluation split (normalised); training rows whose prompt is in it are flagged.
+    min_completion_chars: completions shorter than this (and non-empty) are reported as very short.
+    repeat_min_rows: a completion in at least this many rows counts as repeated.
+    repeat_share_block: a repeated short completion covering at least this share of rows is blocking.
+    assistant_only: for `messages` rows, whether training puts the loss on assistant turns only (TRL's
+        assistant_only_loss, counted with TRL's own assistant mask) or on every token. Pass what training uses.
+    """
+    lap = _Laps()
+    shape = _shape(dataset)
+    if len(dataset) == 0:
+        raise FreetuneError("The data set has no rows to audit. Check the `dataset` parameter and its split.")
+    rows = dataset.to_list()
+    completions = [_safe_completion(r) for r in rows]
+    prompts = [_safe_prompt(r) for r in rows]
+    lap("read rows")
+
+    def requests(i: int) -> str:
+        return _request(rows[i])
+
+    findings = _text_findings(completions, requests, min_completion_chars=min_completion_chars,
+                              repeat_min_rows=repeat_min_rows, repeat_share_block=repeat_share_block)
+    lap("text checks")
+
+    findings += _check_findings(rows, dict(checks or {}))
+    lap("recipe checks")
+
+    token_stats, engine = None, None
+    if tokenizer is not None:
+        tokenizer = _load_tokenizer(tokenizer)
+        token_findings, token_stats, engine = _token_findings(tokenizer, rows, shape, max_length, assistant_only)
+        findings += token_findings
+    lap("tokens")
+
+    invalid = {i for f in findings if f.severity == BLOCKING for i in f.rows}
+    findings += _duplicate_findings(prompts, completions, invalid, requests)
+    if eval_dataset is not None:
+        findings += _eval_overlap(prompts, eval_dataset, requests)
+    lap("duplicates")
+
+    # Blocking first, then the biggest: the table reads in order of what to look at.
+    findings.sort(key=lambda f: (f.severity != BLOCKING, -f.count, f.id))
+    settings = {
+        "max_length": max_length,
+        "min_completion_chars": min_completion_chars,
+        "repeat_min_rows": repeat_min_rows,
+        "repeat_share_block": repeat_share_block,
+        "assistant_only": assistant_only,
+        "checks": sorted(checks or {}),
+        "eval_rows": None if eval_dataset is None else len(eval_dataset),
+        "tokenizer": _tokenizer_settings(tokenizer),
+    }
+    measured = {"empty": True, "repeated": True, "repeated_other": True, "short": True, "duplicate": True,
+                "conflict": True, "overlap": eval_dataset is not None,
+                "no_trainable_tokens": tokenizer is not None, "eos_not_in_labels": tokenizer is not None,
+                "truncated": tokenizer is not None and max_length is not None,
+                **{f"check:{name}": True for name in checks or {}}}
+    found = {f.id: f.count for f in findings}
+    counts = {key: found.get(key, 0) if ok else None for key, ok in measured.items()}
+    lap.timings["total"] = sum(lap.timings.values())
+    return AuditReport(len(rows), shape, settings, findings, _completion_chars(completions), token_stats, counts,
+                       lap.timings, engine)
+
+
+class _Laps:
+    """Seconds per phase of the audit (AuditReport.timings): lap("tokens") closes the phase that just ended."""
+
+    def __init__(self):
+        self.timings: dict[str, float] = {}
+        self._clock = time.perf_counter()
+
+    def __call__(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.timings[phase] = now - self._clock
+        self._clock = now
+
+
+def _text_findings(completions: list[str], requests, *, min_completion_chars: int, repeat_min_rows: int,
+                   repeat_share_block: float) -> list[Finding]:
+    """Empty, repeated and very short answers; an answer counted as junk repeat is not reported as short too."""
+    empty = _empty_finding(completions)
+    repeats = _repeat_findings(completions, requests, repeat_min_rows=repeat_min_rows,
+                               repeat_share_block=repeat_share_block)
+    junk = next((f for f in repeats if f.id == "repeated"), None)
+    short = _short_finding(completions, min_completion_chars, set(junk.rows) if junk else set())
+    return [f for f in (empty, *repeats, short) if f is not None]
+
+
+def _eval_overlap(prompts: list[str], eval_dataset, requests) -> list[Finding]:
+    _shape(eval_dataset)  # the evaluation split must be normalised too
+    eval_prompts = {_prompt_key(_safe_prompt(r)) for r in eval_dataset.to_list()}
+    overlap = _overlap_finding(prompts, eval_prompts, requests)
+    return [overlap] if overlap is not None else []
+
+
+def _tokenizer_settings(tokenizer) -> dict | None:
+    # Class and special tokens, not name_or_path: a folder path would differ between machines.
+    if tokenizer is None:
+        return None
+    return {"class": type(tokenizer).__name__, "vocab_size": len(tokenizer),
+            "chat_template": bool(getattr(tokenizer, "chat_template", None)),
+            "eos_token": tokenizer.eos_token, "pad_token": tokenizer.pad_token}
+
+
+def _completion_chars(completions: list[str]) -> dict:
+    lengths = sorted(len(c.strip()) for c in completions if c.strip())
+    if not lengths:
+        return {"min": 0, "median": 0, "max": 0}
+    return {"min": lengths[0], "median": _nearest_rank(lengths, 0.5), "max": lengths[-1]}
