@@ -18,8 +18,6 @@ from __future__ import annotations
 import math
 
 from freetune import overrides
-# Where bitsandbytes' CPU layouts are switched (its Linear4bit's own flag): with the other overrides.
-from freetune.overrides import keep_cpu_inference_layout, keep_training_layout  # noqa: F401
 
 _CHECKED: dict = {}  # "result": (correct, why), once per process
 # A weight whose rows are 2.5 blocks long: the condition the native kernel gets wrong.

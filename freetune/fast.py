@@ -308,8 +308,3 @@ def _check_against_sdpa(device_index: int, backend: str) -> str:
         return f"failed its check: {type(exc).__name__}: {str(exc)[:160]}"
     return ""
 
-
-# Moved to rooms of their own; still importable from here, where tests and scripts name them.
-from freetune.batching import PAD_TO, padding_stats  # noqa: E402,F401
-from freetune.overrides import apply_batching  # noqa: E402,F401
-from freetune.sampler import _rank_balanced_sampler_class  # noqa: E402,F401

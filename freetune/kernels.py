@@ -26,7 +26,8 @@ default (the plan's choice), and its losses match the plain stack's draw for dra
 from __future__ import annotations
 
 from freetune import overrides
-from freetune.overrides import fusable  # noqa: F401  (which layers qualify reads peft's and bitsandbytes' internals)
+# Which layers qualify reads peft's and bitsandbytes' internals: freetune.overrides.fusable.
+from freetune.overrides import fusable
 
 FUSED_ATTR = "_freetune_fused_lora"
 

@@ -163,7 +163,7 @@ def load_base_model(model_id: str, plan: Plan, *, local_rank: int = 0, gradient_
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False  # the KV cache is useless in training and conflicts with checkpointing
     if quantize and plan.device == "cpu":
-        bnb_cpu.keep_cpu_inference_layout(model)
+        overrides.keep_cpu_inference_layout(model)
     return model
 
 
@@ -188,7 +188,6 @@ def attach_lora(model, *, rank: int, alpha: int, dropout: float, target_modules:
                             f"'all-linear' or to module names this model has (e.g. ['q_proj', 'v_proj']).") from exc
     trainable, total = peft_model.get_nb_trainable_parameters()
     return peft_model, trainable, total
-
 
 
 def adapter_dtype_guard(dtype: str = "float32"):
@@ -254,7 +253,6 @@ def _load_fsdp_rank0_only(model_id: str, kwargs: dict):
     """
     from datetime import timedelta
 
-    import torch
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 

@@ -74,7 +74,6 @@ def make_config(paths: Paths, plan: Plan, params: dict | None = None, **settings
     return _sft_config(paths, plan, **{**run, **settings})
 
 
-
 def _sft_config(paths: Paths, plan: Plan, *, max_steps: int, learning_rate: float, micro_batch: int | None = None,
                 grad_accum: int | None = None, max_length: int | None = None, optimizer: str = "auto",
                 max_grad_norm: float = 1.0, warmup_ratio: float = 0.03, logging_steps: int = 1, save_steps: int = 50,
