@@ -295,8 +295,7 @@ def run_one(job: dict) -> dict:
     cuda = torch.cuda.is_available()
     warmup, measured = job["warmup"], job["steps"]
     run_dir = Path(job["work"]) / f"{job['mode']}-{job['run']}-{job['world']}"
-    paths = Paths(platform="local", run_dir=str(run_dir), checkpoints=f"{run_dir}/checkpoints",
-                  adapter=f"{run_dir}/adapter", data=f"{run_dir}/data", reports=f"{run_dir}/reports")
+    paths = Paths.under(run_dir)
     if ctx.is_main:
         # A fresh folder per run: the checkpoints an earlier run left there would stop train() ("holds checkpoints
         # of an earlier run"), as it must for a user's run, not for a benchmark repeated on a warm machine.

@@ -112,8 +112,7 @@ def worker(args) -> int:
     record.update(layout=plan.layout, layout_why=plan.reasons.get("layout"),
                   estimate_gib=plan.memory.total_gib if plan.memory else None, plan_warnings=plan.warnings)
     run_dir = Path(args.run_dir)
-    paths = Paths(platform="local", run_dir=str(run_dir), checkpoints=str(run_dir / "checkpoints"),
-                  adapter=str(run_dir / "adapter"), data=str(run_dir / "data"), reports=str(run_dir / "reports"))
+    paths = Paths.under(run_dir)
     if ctx.is_main:
         paths.make()
     freetune.distributed.barrier()

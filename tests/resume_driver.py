@@ -152,8 +152,7 @@ def main() -> None:
         freetune.checkpoint.HubSync.retry_delays_s = tuple(job["hub_retry_s"])
 
     run_dir = job["run_dir"]
-    paths = Paths(platform="local", run_dir=run_dir, checkpoints=f"{run_dir}/checkpoints", adapter=f"{run_dir}/adapter",
-                  data=f"{run_dir}/data", reports=f"{run_dir}/reports")
+    paths = Paths.under(run_dir)
     if ctx.is_main:
         paths.make()
     plan = Plan(device="cpu", compute_dtype="float32", mixed_precision="no", attn_implementation="sdpa",

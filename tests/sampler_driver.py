@@ -32,8 +32,7 @@ def main() -> None:
 
     ctx = freetune.distributed.init(timeout_s=60)
     run = out_dir / "run"
-    paths = Paths(platform="local", run_dir=str(run), checkpoints=f"{run}/checkpoints", adapter=f"{run}/adapter",
-                  data=f"{run}/data", reports=f"{run}/reports")
+    paths = Paths.under(run)
     if ctx.is_main:
         paths.make()
     freetune.distributed.barrier()

@@ -31,11 +31,7 @@ def varied_rows():
 def run_paths(root, name):
     from freetune.platform import Paths
 
-    run = root / name
-    paths = Paths(platform="local", run_dir=str(run), checkpoints=f"{run}/checkpoints", adapter=f"{run}/adapter",
-                  data=f"{run}/data", reports=f"{run}/reports")
-    paths.make()
-    return paths
+    return Paths.under(root / name).make()
 
 
 def losses(history):

@@ -38,8 +38,7 @@ def run(tmp_path, model_dir, *, poison_at: int, logging_steps: int, save_steps: 
     import transformers
 
     run_dir = str(tmp_path / "run")
-    paths = Paths(platform="local", run_dir=run_dir, checkpoints=f"{run_dir}/checkpoints",
-                  adapter=f"{run_dir}/adapter", data=f"{run_dir}/data", reports=f"{run_dir}/reports").make()
+    paths = Paths.under(run_dir).make()
     plan = Plan(device="cpu", compute_dtype="float32", mixed_precision="no", attn_implementation="sdpa")
     transformers.set_seed(0)
     model = freetune.model.load_base_model(str(model_dir), plan)
