@@ -162,7 +162,7 @@ def kaggle_train_cells(recipe_name: str, train_sources: list[str], names: list[s
               "import sys\n\nimport freetune\n\n"
               "job = freetune.launch.load_job(sys.argv[1])\n"
               "globals().update(job.parameters)\n"
-              "paths, plan = job.paths, job.plan\n")
+              "params, paths, plan = job.parameters, job.paths, job.plan\n")
     body = "\n\n".join(src.strip() for src in train_sources)
     script = f"%%writefile train_ddp.py\n{header}\n{body}\n"
     params = "".join(f"\n        {n!r}: {n}," for n in names)

@@ -4,12 +4,17 @@ Modules, in the order a recipe uses them:
   console      what the notebook shows: errors as messages, no library progress bars, one duration format
   params       check the parameters cell's values against their declared types
   platform     Colab / Kaggle / local differences as one table (paths, secrets, install)
-  preflight    the machine check and the training plan (dtype, precision, attention, layout, batch)
+  preflight    the machine check and the training plan (dtype, precision, attention, layout, batch), decided in
+               short steps by choices (every choose_*: value and reason); for_world re-decides it for a torchrun job
   data         load and normalise training data (messages, ShareGPT, prompt/completion, Alpaca, column mapping)
   templates    named chat templates for base models (chatml, llama3, zephyr) and their Ollama twins
   audit        find junk rows before training, and clean them
   model        the 4-bit base model and its LoRA adapter
-  train        SFTTrainer with progress, memory and a summary; writes run_summary.json
+  train        the SFTConfig from the plan, the run with progress, memory and a summary (run_summary.json)
+  trainer      FreetuneTrainer: every override of the Trainer's and SFTTrainer's methods, in one class
+  overrides    every other reach into transformers / TRL / peft / bitsandbytes internals; the version check
+  fast         the fast path's attention (variable-length kernels); batching (padding-free rows), sampler (rows
+               per rank), kernels (the fused QLoRA layer, compiled decoder layers) are its other parts
   tracking     eval loss while training, the overfitting warning, report_to (TensorBoard, Trackio)
   checkpoint   complete-or-ignored checkpoints, resume, time budget, SIGTERM, Hub sync
   distributed  torchrun's RANK/LOCAL_RANK/WORLD_SIZE: one script for 1 or N processes
@@ -38,9 +43,9 @@ __all__ = ["FreetuneError", "__version__"]
 logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
     lambda record: not str(record.msg).startswith("Failed to load CPU gemm_4bit_forward"))
 
-_SUBMODULES = {"params", "platform", "preflight", "memory", "data", "audit", "model", "train", "distributed",
-               "launch", "checkpoint", "sanity", "tasks", "export", "secrets", "fixtures", "templates", "tracking",
-               "chat", "resources"}
+_SUBMODULES = {"params", "platform", "preflight", "choices", "memory", "data", "audit", "model", "train", "trainer",
+               "overrides", "distributed", "launch", "checkpoint", "sanity", "tasks", "export", "secrets", "fixtures",
+               "templates", "tracking", "chat", "resources"}
 
 
 # A notebook shows freetune's lines and its errors' messages, not the libraries' bars and chained tracebacks.

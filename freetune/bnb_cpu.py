@@ -16,7 +16,8 @@ dequantisation as bitsandbytes' CPU kernel for every shape (the CUDA kernels are
 from __future__ import annotations
 
 import math
-import warnings
+
+from freetune import overrides
 
 _CHECKED: dict = {}  # "result": (correct, why), once per process
 # A weight whose rows are 2.5 blocks long: the condition the native kernel gets wrong.
@@ -65,7 +66,6 @@ def ensure_correct_dequantize() -> bool:
     if "result" in _CHECKED:
         return not _CHECKED["result"][0]
     import bitsandbytes  # noqa: F401  (registers its ops and CPU kernels first)
-    import torch
 
     correct, why = check_dequantize()
     _CHECKED["result"] = (correct, why)
@@ -75,9 +75,7 @@ def ensure_correct_dequantize() -> bool:
     def dequantize_4bit_cpu(A, absmax, blocksize, quant_type, shape, dtype):
         return dequantize_4bit_reference(A, absmax, blocksize, quant_type, shape, dtype)
 
-    with warnings.catch_warnings():  # torch warns that a kernel is overridden: that is the point
-        warnings.simplefilter("ignore")
-        torch.library.register_kernel("bitsandbytes::dequantize_4bit", "cpu", dequantize_4bit_cpu)
+    overrides.register_cpu_dequantize(dequantize_4bit_cpu)
     still, _ = check_dequantize()
     if not still:
         raise RuntimeError("freetune could not replace bitsandbytes' CPU 4-bit dequantisation")
@@ -87,35 +85,3 @@ def ensure_correct_dequantize() -> bool:
           f"input size is not a multiple of 64 ({why}): freetune dequantises 4-bit weights on the CPU in PyTorch "
           f"instead. GPUs are not affected.")
     return True
-
-
-def keep_cpu_inference_layout(model) -> int:
-    """Keep bitsandbytes' Linear4bit layers whose input size is not a whole number of blocks out of the CPU
-    inference repacking (AVX-512 bf16 CPUs, eval mode), which cannot reshape them; returns how many."""
-    from bitsandbytes.nn import Linear4bit
-
-    kept = 0
-    for module in model.modules():
-        state = getattr(getattr(module, "weight", None), "quant_state", None)
-        if isinstance(module, Linear4bit) and state is not None and module.in_features % state.blocksize:
-            if getattr(module, "support_avx512bf16_for_cpu", False):
-                module.support_avx512bf16_for_cpu = False
-                kept += 1
-    return kept
-
-
-def keep_training_layout(model) -> int:
-    """Keep every Linear4bit layer of a model that trains out of the CPU inference repacking; returns how many.
-
-    bitsandbytes 0.50.2 repacks a layer's 4-bit weight for its AVX-512 bf16 inference kernel the first time the layer
-    runs in eval mode without gradients (an evaluation between training steps) and never packs it back: every later
-    training step then runs the inference kernel, whose in-place bias add on a tensor that needs its gradient raises
-    "a view of a leaf Variable that requires grad is being used in an in-place operation"."""
-    from bitsandbytes.nn import Linear4bit
-
-    kept = 0
-    for module in model.modules():
-        if isinstance(module, Linear4bit) and getattr(module, "support_avx512bf16_for_cpu", False):
-            module.support_avx512bf16_for_cpu = False
-            kept += 1
-    return kept

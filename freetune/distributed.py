@@ -35,10 +35,6 @@ class DistContext:
         return self.world_size > 1
 
 
-def under_torchrun() -> bool:
-    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
 def context() -> DistContext:
     """This process's place in the job, from torchrun's environment (rank 0 of 1 when alone)."""
     import torch
@@ -119,8 +115,6 @@ def init(timeout_s: int = COLLECTIVE_TIMEOUT_S) -> DistContext:
     import torch.distributed as dist
 
     ctx = context()
-    if os.environ.get("FREETUNE_TRACE_WRITES") == "1" and WriteTracer.active is None:
-        WriteTracer.active = WriteTracer()
     bound = bind_cpus(ctx)
     if ctx.device.startswith("cuda"):
         torch.cuda.set_device(ctx.local_rank)
@@ -219,37 +213,3 @@ def check_replicas_agree(model) -> str:
             raise RuntimeError(f"LoRA weights differ between ranks after training: {everyone}. The replicas were "
                                f"not kept in sync; do not use this adapter.")
     return mine
-
-
-class WriteTracer:
-    """Record the files this process opens for writing (set FREETUNE_TRACE_WRITES=1): a test proves that only
-    rank 0 writes. Python-level opens, renames and mkdirs are seen; writes made inside native code are not."""
-
-    active: "WriteTracer | None" = None
-
-    def __init__(self):
-        import sys
-
-        self.paths: set[str] = set()
-        sys.addaudithook(self._hook)
-
-    def _hook(self, event: str, args) -> None:
-        if event == "open" and args and isinstance(args[0], (str, bytes, os.PathLike)):
-            mode, flags = args[1], args[2] if len(args) > 2 else 0
-            writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
-                mode is None and isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
-            if writing:
-                self._note(args[0])
-        elif event in ("os.rename", "os.mkdir", "os.remove", "shutil.rmtree") and args:
-            self._note(args[0])
-
-    def _note(self, path) -> None:
-        try:
-            self.paths.add(os.path.realpath(os.fsdecode(path)))
-        except (TypeError, ValueError):
-            return
-
-    def report(self, rank: int, root: str) -> None:
-        root = os.path.realpath(root)
-        mine = sorted(os.path.relpath(p, root) for p in self.paths if p.startswith(root + os.sep))
-        print(f"rank {rank} wrote {len(mine)} file(s) under the run folder: {mine}", flush=True)

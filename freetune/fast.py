@@ -1,37 +1,28 @@
-"""The fast default training path: more real tokens per kernel launch, fewer host round trips, same loss.
+"""The fast default training path: more real tokens per kernel launch, fewer host round trips, same loss; and here,
+its attention: variable-length kernels that keep a padding-free batch's rows apart.
 
-What the plain stack (TRL's SFTTrainer, batch 1 x accumulation 8, padded batches) wastes, and what is done
-about it here (issue 8 has the measurements):
-- Padding. A batch of rows of 300-1,200 tokens padded to its longest row is ~30% pad tokens, each costing a
-  full forward and backward. `padding_free`: the micro-batch's rows are concatenated into one sequence with
-  position_ids restarting at 0 per row (TRL's collator does this and adds the row boundaries, cu_seq_lens).
-  transformers (masking_utils.find_packed_sequence_indices) turns restarting position_ids into a
-  block-diagonal causal mask, so no token attends across rows: the loss is the same as with padding.
-  The concatenated row is padded to a multiple of 8 tokens by one row that trains nothing
-  (`AlignedPaddingFree`): compiled layers recompile whenever the length's remainder mod 8 changes.
-  Where the attention kernel would have to compute that mask densely over the whole packed row (a T4, or no
-  variable-length kernel), `grouped` is chosen instead: padded batches of similar lengths
-  (transformers' LengthGroupedSampler), which keeps the padding small and the rows apart.
-- Ranks waiting for each other (DDP, FSDP). The gradients are averaged once per optimizer step, so every rank
-  waits for the one with the most tokens. With 8 random rows of 300-1,200 tokens per rank, two ranks' token
-  counts differ by ~15% of the mean, so the slower one has ~7% more; the 2-GPU run on an H200 reached 89% of
-  twice one GPU's rate. `RankBalancedSampler` deals each optimizer step's rows (the same random rows any GPU
-  count would take) out to the ranks so their token counts are equal to within a row, each micro-batch still
-  holding exactly micro_batch rows (memory as planned).
-- The attention kernel. On sm80+ the packed rows go through PyTorch's variable-length FlashAttention-2
-  (aten._flash_attention_forward given TRL's cu_seq_lens, else torch.nn.attention.varlen.varlen_attn): each row
-  attends only to itself, no mask is built into the kernel and nothing is computed across rows. It is checked
-  against PyTorch's sdpa once per process (`varlen_works`) before the plan picks it; anywhere else the same
+What the plain stack (TRL's SFTTrainer, batch 1 x accumulation 8, padded batches) wastes, and where freetune
+answers it (issue 8 has the measurements):
+- Padding: padding-free batches, the rows concatenated (freetune.batching), or, where the attention kernel would
+  have to compute a packed row's mask densely (no variable-length kernel), `grouped`: padded batches of similar
+  lengths (transformers' LengthGroupedSampler), which keeps the padding small and the rows apart.
+- Ranks waiting for each other (DDP, FSDP): each optimizer step's rows dealt out with equal tokens per rank
+  (freetune.sampler).
+- The attention kernel (this module). On sm80+ the packed rows go through PyTorch's variable-length
+  FlashAttention-2 (aten._flash_attention_forward given TRL's cu_seq_lens, else torch.nn.attention.varlen.varlen_attn):
+  each row attends only to itself, no mask is built into the kernel and nothing is computed across rows. It is
+  checked against PyTorch's sdpa once per process (`varlen_works`) before the plan picks it; anywhere else the same
   registered attention falls back to sdpa with transformers' block-diagonal mask (correct; tests/test_fast_path.py
   runs it on a CPU).
-- Host round trips. TRL's compute_loss calls .item() and gathers across ranks three times per micro-batch
-  for its entropy / token-accuracy / token-count metrics: a device sync each time, which serialises the
-  CPU with the GPU, and under DDP three extra collectives per micro-batch. `trainer_class` keeps the same
-  sums on the GPU and reads them once per log step (same values in the log, a fraction of the syncs). The
-  Trainer's other per-step syncs are off in freetune.train.make_config (the blocking batch copy, the NaN filter)
-  and freetune.checkpoint.StopAgreement (the ranks' stop flag, read a step late).
-- The micro-batch (freetune.preflight.make_plan) and gradient checkpointing (dropped when the plan's memory
-  estimate fits the full batch without it: the recompute costs ~30% of the step).
+- Host round trips. TRL's compute_loss calls .item() and gathers across ranks three times per micro-batch for its
+  entropy / token-accuracy / token-count metrics: a device sync each time, which serialises the CPU with the GPU,
+  and under DDP three extra collectives per micro-batch. freetune.trainer.FreetuneTrainer keeps the same sums on the
+  GPU and reads them once per log step (same values in the log, a fraction of the syncs). The Trainer's other
+  per-step syncs are off in freetune.train.make_config (the blocking batch copy, the NaN filter) and
+  freetune.checkpoint.StopAgreement (the ranks' stop flag, read a step late).
+- The micro-batch and gradient checkpointing (freetune.preflight.make_plan: checkpointing is dropped when the
+  memory estimate fits the full batch without it, the recompute costing ~30% of the step); the LoRA layers
+  (freetune.kernels).
 - The loss head: TRL (>= 1.x) already scores tokens in tiles and never holds the (tokens x vocabulary) logits;
   nothing to add (Liger's fused linear cross-entropy is refused by TRL 1.16, which patches the same forward).
 
@@ -42,11 +33,9 @@ tests/test_fast_path.py checks it against the plain path on the same rows.
 
 from __future__ import annotations
 
-import functools
 import inspect
 
 VARLEN_ATTENTION = "freetune_varlen"  # the name registered with transformers' AttentionInterface
-BATCHING = ("padding_free", "grouped", "padded")
 
 
 # ---------------------------------------------------------------------------------------------- attention --
@@ -319,271 +308,3 @@ def _check_against_sdpa(device_index: int, backend: str) -> str:
         return f"failed its check: {type(exc).__name__}: {str(exc)[:160]}"
     return ""
 
-
-def choose_batching(policy: str, gpus_capability: list[tuple[int, int]], micro_batch: int) -> tuple[str, str, str]:
-    """(batching, attn_implementation or "" to keep the plan's, why) for a policy ('turing', 'ampere', 'cpu')."""
-    if micro_batch <= 1:
-        return "padded", "", "one row per forward pass: nothing to pad"
-    if policy == "cpu":
-        # A CPU run is a check, not a training run: it keeps the plain stack's batches, so its losses can be
-        # compared with the plain stack's row for row (LoRA dropout draws other masks for a packed row). On a
-        # CPU sdpa would also compute a packed row's dense block-diagonal mask in full, as on a T4.
-        return "padded", "", "a CPU run is a check: the plain stack's padded batches, same rows, same dropout draws"
-    if policy in POLICY_BACKENDS and gpus_capability:
-        import torch
-
-        # This process's GPU (under torchrun, LOCAL_RANK's): probing GPU 0 from every rank would put a CUDA
-        # context on it for each of them.
-        ok, why = varlen_works(torch.cuda.current_device() if torch.cuda.is_available() else 0, policy)
-        if ok:
-            kernel = ("the memory-efficient variable-length attention kernel, which a T4 (sm75) runs too,"
-                      if varlen_backend(torch.cuda.current_device() if torch.cuda.is_available() else 0) ==
-                      "efficient" else "variable-length FlashAttention")
-            return ("padding_free", VARLEN_ATTENTION,
-                    f"rows concatenated (padded to a multiple of 8 tokens only); {kernel} keeps them apart ({why})")
-        return ("grouped", "", f"padded batches of similar length, little padding (no padding-free kernel: {why})")
-    return ("grouped", "", "padded batches of similar length, little padding")
-
-
-# ------------------------------------------------------------------------------------------------ sampler --
-
-def choose_sampler(batching: str, processes: int) -> tuple[str, str]:
-    """(sampler, why): which rows each rank gets in each micro-batch."""
-    if processes > 1:
-        return "rank_balanced", (f"each optimizer step's rows dealt to the {processes} ranks by length, equal "
-                                 f"tokens each: no rank waits for a longer one at the gradient all-reduce")
-    if batching == "grouped":
-        return "length_grouped", "rows of similar length share a padded micro-batch"
-    return "random", "rows in random order"
-
-
-def step_rows(order: list[int], lengths: list[int], ranks: int, grad_accum: int) -> list[list[list[int]]]:
-    """One optimizer step's rows, `order` (dataset indices), dealt out as [rank][micro-batch] -> indices.
-
-    Longest first, tier by tier (one row per rank per tier), the rank with the fewest tokens so far takes the
-    tier's longest row: every rank ends within one row's length of the others. Each rank's rows are then cut into
-    grad_accum micro-batches in that order, so a micro-batch holds rows of similar length (little padding), the
-    same micro-batch of every rank holds rows of the same tiers, and every micro-batch has the same number of rows
-    (len(order) / (ranks * grad_accum), the planned micro-batch)."""
-    by_length = sorted(order, key=lambda i: (-lengths[i], i))
-    rows = [[] for _ in range(ranks)]
-    tokens = [0] * ranks
-    for start in range(0, len(by_length), ranks):
-        takers = sorted(range(ranks), key=lambda r: (tokens[r], r))
-        for index, rank in zip(by_length[start:start + ranks], takers):
-            rows[rank].append(index)
-            tokens[rank] += lengths[index]
-    out = []
-    for mine in rows:
-        cuts = [round(k * len(mine) / grad_accum) for k in range(grad_accum + 1)]
-        out.append([mine[a:b] for a, b in zip(cuts, cuts[1:])])
-    return out
-
-
-@functools.cache
-def _rank_balanced_sampler_class():
-    # A subclass of transformers' BatchRebalanceSampler: the Trainer hands that class to the DataLoader as its
-    # batch_sampler and keeps accelerate from sharding it again (it is rank-aware already). Its own assignment
-    # sizes micro-batches by a padded-cost model (more rows where rows are short), which would break the plan's
-    # memory budget; this one keeps every micro-batch at micro_batch rows.
-    import math
-
-    import torch
-    from transformers.trainer_pt_utils import BatchRebalanceSampler, get_length_grouped_indices
-
-    class RankBalancedSampler(BatchRebalanceSampler):
-        """Every rank draws the same random permutation (same seed, no communication) and takes its share of each
-        optimizer step's rows from `step_rows`. group_by_length: the permutation is length-grouped first (padded
-        batches on GPUs without a variable-length kernel), so a step's rows have similar lengths."""
-
-        def __init__(self, *args, group_by_length: bool = False, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.group_by_length = group_by_length
-
-        def __iter__(self):
-            g = torch.Generator()
-            g.manual_seed(self.seed + self.epoch)
-            n = len(self.lengths)
-            if self.group_by_length:
-                order = get_length_grouped_indices(self.lengths, self.effective_batch_size, generator=g)
-            elif self.shuffle:
-                order = torch.randperm(n, generator=g).tolist()
-            else:
-                order = list(range(n))
-            size = self.effective_batch_size
-            for step in range(self.num_global_batches):
-                rows = order[step * size:(step + 1) * size]
-                short = self.dp_size * self.grad_accum - len(rows)
-                if short > 0:  # the last, partial step (drop_last off): at least one row per micro-batch
-                    rows = rows + (order * math.ceil(short / n))[:short]
-                yield from self._yield_global_batch(rows)
-
-        def _assign(self, indices, lengths):
-            # step_rows looks lengths up by dataset index (a padded last step may repeat an index).
-            return step_rows(list(indices), self.lengths, self.dp_size, self.grad_accum)
-
-    return RankBalancedSampler
-
-
-def rank_balanced_sampler(dataset, args, group_by_length: bool = False):
-    """The sampler for a Trainer's training set under torchrun (args: its TrainingArguments)."""
-    lengths = [len(ids) for ids in dataset["input_ids"]]
-    world = max(1, args.world_size)
-    return _rank_balanced_sampler_class()(
-        lengths=lengths, effective_batch_size=args.train_batch_size * args.gradient_accumulation_steps * world,
-        dp_size=world, grad_accum=args.gradient_accumulation_steps, rank=args.process_index,
-        seed=args.data_seed if args.data_seed is not None else args.seed, drop_last=args.dataloader_drop_last,
-        group_by_length=group_by_length)
-
-
-# ------------------------------------------------------------------------------------------------ trainer --
-
-def apply_batching(trainer, batching: str) -> None:
-    """Switch an SFTTrainer's collator to padding-free. TRL refuses padding_free=True with max_length at
-    construction (its check predates its own truncation step), yet truncates rows to max_length during dataset
-    preparation whenever packing is off: so the trainer is built padded, with rows truncated, and only the
-    collator is switched. "grouped" is set in the config (train_sampling_strategy). The padding-free batches carry
-    PAD_KEY, which `trainer_class`'s trainer takes out before the model is called."""
-    if batching != "padding_free":
-        return
-    collator = trainer.data_collator
-    if isinstance(collator, AlignedPaddingFree):
-        return
-    if not hasattr(collator, "padding_free"):
-        raise TypeError(f"padding-free batching needs TRL's DataCollatorForLanguageModeling, not {type(collator)}")
-    collator.padding_free = True
-    trainer.padding_free = True
-    trainer.data_collator = AlignedPaddingFree(collator)
-
-
-PAD_TO = 8  # padding-free sequences are padded to a multiple of this many tokens (AlignedPaddingFree)
-PAD_KEY = "freetune_pad_tokens"  # batch key: how many of a padding-free batch's tokens are that padding
-
-
-class AlignedPaddingFree:
-    """TRL's padding-free collator, its one flat sequence padded to a multiple of PAD_TO tokens by one extra row
-    that trains nothing (labels -100, positions restarting at 0, its own cu_seq_lens entry: attention keeps it
-    apart). Why: compiled layers (torch.compile with dynamic shapes) guard on the token count's divisibility by 8
-    (inductor's alignment assumptions), so an unaligned count meets a graph compiled for an aligned one and
-    recompiles, mid-run, 10-20 s each (seen on an H200: one step in four at 200-4,500 tokens/s instead of 15,000).
-    Always aligned, one graph serves every step. TRL's own pad_to_multiple_of pads with position 0 only, which
-    makes every pad token a row of its own. At most PAD_TO - 1 tokens a micro-batch; their count travels in the
-    batch under PAD_KEY for the token metrics; the trainer takes it out before the model sees the batch."""
-
-    def __init__(self, collator, multiple: int = PAD_TO):
-        self.collator, self.multiple = collator, multiple
-
-    def __getattr__(self, name):  # padding_free, pad_token_id, ...: what callers read from TRL's collator
-        if name == "collator" or name.startswith("__"):  # not set yet (a copy or unpickling): no endless lookup
-            raise AttributeError(name)
-        return getattr(self.collator, name)
-
-    def __call__(self, examples):
-        import torch
-
-        out = self.collator(examples)
-        length = out["input_ids"].size(1)
-        pad = -length % self.multiple
-        out[PAD_KEY] = pad
-        if pad == 0:
-            return out
-
-        def extend(key, values):
-            out[key] = torch.cat([out[key], values.to(out[key].dtype).reshape(1, -1)], dim=1)
-
-        extend("input_ids", torch.full((pad,), self.collator.pad_token_id))
-        extend("labels", torch.full((pad,), -100))
-        extend("position_ids", torch.arange(pad))
-        if "seq_idx" in out:
-            extend("seq_idx", torch.full((pad,), int(out["seq_idx"].max()) + 1))
-        if "cu_seq_lens_q" in out:
-            cu = torch.cat([out["cu_seq_lens_q"], out["cu_seq_lens_q"].new_tensor([length + pad])])
-            out["cu_seq_lens_q"] = out["cu_seq_lens_k"] = cu
-            out["max_length_q"] = out["max_length_k"] = max(out["max_length_q"], pad)
-        return out
-
-
-def trainer_class(base):
-    """`base` (TRL's SFTTrainer or a subclass) with the per-micro-batch metric syncs moved to log steps."""
-    import torch
-
-    class FastMetricsTrainer(base):
-        _sums = None  # device tensor: label tokens, entropy sum, top-1 hits, real input tokens (padded batches)
-        _host = (0, 0)  # counts known without asking the GPU: real tokens of padding-free batches, computed tokens
-
-        def _fast_loss_applies(self) -> bool:
-            pc = getattr(self.accelerator, "parallelism_config", None)
-            return (self.model.training and self.compute_loss_func is None and self.label_smoother is None
-                    and self.args.loss_type == "nll" and not self.aux_loss_enabled
-                    and not (pc is not None and getattr(pc, "sp_enabled", False)))
-
-        _pad_tokens = 0  # AlignedPaddingFree's count for the batch being computed (metrics only)
-
-        def _prepare_inputs(self, inputs):
-            # Every path to the model (training step, evaluation, with or without labels) comes through here:
-            # the count leaves the batch before any model call could receive it as an argument.
-            self._pad_tokens = inputs.pop(PAD_KEY, 0) if hasattr(inputs, "pop") else 0
-            return super()._prepare_inputs(inputs)
-
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            pad, self._pad_tokens = self._pad_tokens, 0
-            if not self._fast_loss_applies():
-                return super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                            num_items_in_batch=num_items_in_batch)
-            # TRL's own nll branch, line for line, without its .item() calls and gathers.
-            inputs["use_cache"] = False
-            outputs = model(**inputs, fused_lm_head=True)
-            per_token_loss = -outputs.log_probs  # zero on ignored positions
-            num_tokens = outputs.label_mask.sum() if num_items_in_batch is None else num_items_in_batch
-            loss = per_token_loss.sum() / torch.as_tensor(num_tokens).clamp(min=1)
-            if self.args.average_tokens_across_devices and num_items_in_batch is not None:
-                loss = loss * (self.accelerator.num_processes // self.get_tp_size())
-            with torch.no_grad():
-                # No torch.tensor(python number, device=cuda) here: a host-to-device copy waits for the GPU too.
-                padded = "attention_mask" in inputs
-                seen = inputs["attention_mask"].sum() if padded else outputs.label_mask.new_zeros(())
-                sums = torch.stack([outputs.label_mask.sum().float(), outputs.entropy.detach().sum().float(),
-                                    outputs.is_top1.sum().float(), seen.float()])
-                self._sums = sums if self._sums is None else self._sums + sums
-                host_seen = 0 if padded else inputs["position_ids"].size(1) - pad
-                self._host = (self._host[0] + host_seen, self._host[1] + inputs["input_ids"].numel())
-            return (loss, outputs) if return_outputs else loss
-
-        def _get_train_sampler(self, train_dataset=None):
-            dataset = self.train_dataset if train_dataset is None else train_dataset
-            if getattr(self.args, "freetune_sampler", "") == "rank_balanced" and "input_ids" in getattr(
-                    dataset, "column_names", ()):
-                return rank_balanced_sampler(dataset, self.args,
-                                             group_by_length=getattr(self.args, "freetune_batching", "") == "grouped")
-            return super()._get_train_sampler(train_dataset)
-
-        def log(self, logs, start_time=None):
-            if self._sums is not None and self.model.training:
-                # One gather and one device sync per log step, instead of four per micro-batch.
-                sums = torch.cat([self._sums, self._sums.new_tensor(self._host)])  # one small copy per log step
-                if self.accelerator.num_processes > 1:
-                    sums = self.accelerator.reduce(sums, reduction="sum")
-                valid, entropy, correct, seen_padded, seen_free, computed = sums.tolist()
-                seen = seen_padded + seen_free
-                self._sums, self._host = None, (0, 0)
-                self._total_train_tokens += int(seen) // self._tp_size
-                metrics = self._metrics["train"]
-                metrics["entropy"] = [entropy / valid if valid > 0 else 0.0]
-                metrics["mean_token_accuracy"] = [correct / valid if valid > 0 else 0.0]
-                metrics["num_tokens"] = [self._total_train_tokens]
-                # Share of the tokens run through the model that were padding (0 when padding-free).
-                metrics["pad_fraction"] = [1 - seen / computed if computed else 0.0]
-            return super().log(logs, start_time)
-
-    return FastMetricsTrainer
-
-
-def padding_stats(batch) -> dict:
-    """Real and pad tokens of one collated batch (what a forward pass computes on)."""
-    ids = batch["input_ids"]
-    computed = int(ids.numel())
-    if "attention_mask" in batch:
-        real = int(batch["attention_mask"].sum())
-    else:  # padding-free: one row, its alignment padding counted by AlignedPaddingFree
-        real = computed - int(batch.get(PAD_KEY, 0))
-    return {"computed_tokens": computed, "real_tokens": real, "pad_tokens": computed - real}

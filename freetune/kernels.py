@@ -25,7 +25,9 @@ default (the plan's choice), and its losses match the plain stack's draw for dra
 
 from __future__ import annotations
 
-import types
+from freetune import overrides
+# Which layers qualify reads peft's and bitsandbytes' internals: freetune.overrides.fusable.
+from freetune.overrides import fusable
 
 FUSED_ATTR = "_freetune_fused_lora"
 
@@ -197,7 +199,8 @@ def qlora_linear(x, weight, absmax, spec, bias, lora_a, lora_b, scaling: float, 
 
 
 def _fused_forward(self, x, *args, **kwargs):
-    """Replacement forward of one peft lora.Linear4bit (bound to it by use_fused_lora)."""
+    """Replacement forward of one peft lora.Linear4bit, bound to it by use_fused_lora (freetune.overrides.replace_forward;
+    peft 0.21: it reads the layer's adapter dicts, scaling and flags)."""
     import torch
 
     # Generation (eval mode, a few tokens per call) is faster through bitsandbytes' own 4-bit kernels.
@@ -212,47 +215,6 @@ def _fused_forward(self, x, *args, **kwargs):
     p = dropout.p if isinstance(dropout, torch.nn.Dropout) else 0.0
     return qlora_linear(x, packed, self._freetune_absmax, self._freetune_spec, self.base_layer.bias,
                         self.lora_A[name].weight, self.lora_B[name].weight, float(self.scaling[name]), p)
-
-
-def fusable(module) -> str:
-    """'' when `module` can take the fused forward, else why not."""
-    import torch
-
-    try:
-        from bitsandbytes.nn import Linear4bit
-        from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
-    except ImportError as exc:
-        return f"bitsandbytes/peft unavailable: {exc}"
-    if not isinstance(module, LoraLinear4bit):
-        return "not a peft LoRA layer over a 4-bit base"
-    base = module.base_layer
-    if not isinstance(base, Linear4bit) or getattr(base.weight, "quant_state", None) is None:
-        return "base layer has no quantisation state"
-    if getattr(base.weight.quant_state, "packing_format_for_cpu", False):
-        return "weight repacked for CPU inference"
-    if base.weight.dim() != 2 or base.weight.shape[1] != 1:  # _dequantize reads the (n, 1) layout Linear4bit keeps
-        return f"packed weight of shape {tuple(base.weight.shape)}"
-    if module.lora_variant or any(module.use_dora.values()):
-        return "a LoRA variant (DoRA, ...) has its own forward"
-    if len(module.lora_A) != 1:
-        return "several adapters"
-    dropout = next(iter(module.lora_dropout.values()))
-    if not isinstance(dropout, (torch.nn.Dropout, torch.nn.Identity)):
-        return f"dropout module {type(dropout).__name__}"
-    if base.weight.quant_state.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return f"compute dtype {base.weight.quant_state.dtype}"
-    return ""
-
-
-def choose_lora_kernel(device: str, layout: str) -> tuple[str, str]:
-    """(kernel, why) for the plan: "fused" on a GPU, peft's own layers elsewhere."""
-    if device != "cuda":
-        return "peft", ("a CPU run is a check: peft's layers, whose dropout draws match the plain stack's "
-                        "(a CPU is bound by arithmetic, not by launches)")
-    if layout == "fsdp":
-        return "peft", "FSDP flattens the 4-bit weights into its shards; peft's layers read them back from there"
-    return "fused", ("one autograd node per LoRA 4-bit layer instead of ~10 (freetune.kernels): the step of a "
-                     "small model is bound by kernel launches, not by the GPU's arithmetic")
 
 
 def use_fused_lora(model) -> tuple[int, int]:
@@ -282,26 +244,10 @@ def use_fused_lora(model) -> tuple[int, int]:
         module._freetune_absmax, module._freetune_spec = quant_args(weight.quant_state)
         torch._dynamo.mark_static(module._freetune_packed)
         if not already:
-            module.forward = types.MethodType(_fused_forward, module)
+            overrides.replace_forward(module, _fused_forward)
             setattr(module, FUSED_ATTR, True)
         fused += 1
     return fused, seen
-
-
-def choose_compile(compile_layers: str, device: str, layout: str) -> tuple[bool, str]:
-    """(compile each decoder layer?, why) for the plan; compile_layers is "auto", "on" or "off"."""
-    if compile_layers not in ("auto", "on", "off"):
-        from freetune.errors import FreetuneError
-
-        raise FreetuneError(f"compile = {compile_layers!r}: use 'auto' (on a GPU), 'on' or 'off'.")
-    if compile_layers != "auto":
-        return compile_layers == "on", "as given"
-    if device != "cuda":
-        return False, "a CPU run is a check: eager, as the plain stack runs"
-    if layout == "fsdp":
-        return False, "FSDP: its flat parameters and compiled layers are not combined here"
-    return True, ("torch.compile per decoder layer: its norms, rotary, SiLU-gate and casts fuse into a few kernels, "
-                  "fewer launches and less activation memory; the first steps compile (a minute or two)")
 
 
 def compile_layers(model, backend: str = "inductor") -> int:
@@ -309,27 +255,7 @@ def compile_layers(model, backend: str = "inductor") -> int:
     parameter names and checkpoints stay as they are); returns how many. Shapes are marked dynamic: padding-free
     and length-grouped batches change length every step. A layer dynamo cannot compile runs eagerly
     (suppress_errors) rather than stopping the run."""
-    import torch
-    import torch._dynamo
-
-    torch._dynamo.config.suppress_errors = True
-    # The fused function dequantises each weight again in its backward rather than keep a 16-bit copy (the whole
-    # model's worth over a step without checkpointing: ~2.4 GiB for a 1.5B model, more than a 4 GiB card has
-    # spare). Common-subexpression elimination of the joint forward-backward graph would merge the two
-    # dequantisations into one whose output the forward then saves; without it the backward keeps its own.
-    import torch._functorch.config
-
-    torch._functorch.config.cse = False
-    # One compiled graph serves every layer of a model (same code, different weights): the cache must hold at
-    # least one entry per layer's guards.
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    # Under DDP, dynamo's DDPOptimizer cuts every compiled graph where a gradient bucket fills, so that each
-    # bucket's all-reduce can start before the rest of the backward. The layers are compiled one by one, so DDP
-    # already gets each layer's gradients as soon as its backward ends; the cut only split every layer into two
-    # graphs (its first bucket holds 1 MB, a 1.5B model's LoRA layer ~2.6 MB): twice the compiled-graph calls per
-    # step, host time that a launch-bound step pays in full (reports/gpu/bench_flash_profile.log), and 6.6 GiB
-    # more peak memory per GPU (reports/gpu/ddp_layers_unsplit.json: 27.38 split, 20.75 GiB unsplit).
-    torch._dynamo.config.optimize_ddp = False
+    overrides.compile_settings()
     layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
     for layer in layers:
         layer.compile(dynamic=True, backend=backend)
@@ -339,9 +265,4 @@ def compile_layers(model, backend: str = "inductor") -> int:
 def uncompile_layers(model) -> int:
     """Undo compile_layers (after training): generation runs token by token through a KV cache, shapes the
     training graphs were not compiled for; eager layers serve it without recompiling. Returns how many."""
-    undone = 0
-    for module in model.modules():
-        if getattr(module, "_compiled_call_impl", None) is not None:
-            module._compiled_call_impl = None
-            undone += 1
-    return undone
+    return sum(overrides.uncompile(module) for module in model.modules())

@@ -37,16 +37,14 @@ def write_job(path: str | Path, parameters: dict, paths, plan) -> Path:
 def load_job(path: str | Path) -> SimpleNamespace:
     """Read the job file inside train_ddp.py: .parameters (dict), .paths (Paths), .plan (Plan)."""
     from freetune.platform import Paths
-    from freetune.preflight import Plan
+    from freetune.preflight import Plan, for_world
 
     job = json.loads(Path(path).read_text())
     plan_fields = {f.name for f in dataclasses.fields(Plan) if f.init}
     # The memory estimate is for display in the notebook; the ranks need only the decisions.
     plan = Plan(**{k: v for k, v in job["plan"].items() if k in plan_fields and k != "memory"})
     # The notebook planned for its own machine; the job's size is known only here (several hosts, or CPU ranks).
-    from freetune.fast import choose_sampler
-
-    plan.sampler, plan.reasons["sampler"] = choose_sampler(plan.batching, int(os.environ.get("WORLD_SIZE", "1")))
+    plan = for_world(plan, int(os.environ.get("WORLD_SIZE", "1")))
     return SimpleNamespace(parameters=job["parameters"], paths=Paths(**job["paths"]), plan=plan)
 
 

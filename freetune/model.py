@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from freetune import bnb_cpu, params, templates
+from freetune import bnb_cpu, overrides, params, templates
 from freetune.distributed import print0
 from freetune.errors import FreetuneError, reason
 from freetune.fast import VARLEN_ATTENTION, register_attention
@@ -163,7 +163,7 @@ def load_base_model(model_id: str, plan: Plan, *, local_rank: int = 0, gradient_
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False  # the KV cache is useless in training and conflicts with checkpointing
     if quantize and plan.device == "cpu":
-        bnb_cpu.keep_cpu_inference_layout(model)
+        overrides.keep_cpu_inference_layout(model)
     return model
 
 
@@ -253,7 +253,6 @@ def _load_fsdp_rank0_only(model_id: str, kwargs: dict):
     """
     from datetime import timedelta
 
-    import torch
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
@@ -265,74 +264,10 @@ def _load_fsdp_rank0_only(model_id: str, kwargs: dict):
     try:
         if dist.get_rank() == 0:
             model = AutoModelForCausalLM.from_pretrained(model_id, **kwargs)
-            dist.broadcast_object_list([_quantized_spec(model)], src=0, group=group)
+            dist.broadcast_object_list([overrides.quantized_spec(model)], src=0, group=group)
             return model
         received = [None]
         dist.broadcast_object_list(received, src=0, group=group)
     finally:
         dist.destroy_process_group(group)
-    return _skeleton_from_spec(model_id, kwargs, received[0])
-
-
-def _quantized_spec(model) -> dict:
-    """What the other ranks need to rebuild rank 0's 4-bit layers without the weights (see above)."""
-    import torch
-
-    spec = {"layers": {}, "attributes": {}}
-    for name, module in model.named_modules():
-        weight = getattr(module, "weight", None)
-        if type(weight).__name__ == "Params4bit":
-            spec["layers"][name] = dict(shape=tuple(weight.shape), dtype=str(weight.dtype).removeprefix("torch."),
-                                        bias=module.bias is not None,
-                                        state={k: v.cpu() if torch.is_tensor(v) else v
-                                               for k, v in weight.quant_state.as_dict(packed=True).items()})
-    spec["attributes"] = {k: getattr(model, k) for k in _QUANTIZED_MODEL_ATTRIBUTES if hasattr(model, k)}
-    return spec
-
-
-# What from_pretrained sets on a 4-bit model, read by peft (which LoRA layer class to use) and the Trainer.
-_QUANTIZED_MODEL_ATTRIBUTES = ("is_loaded_in_4bit", "is_quantized", "quantization_method", "is_4bit_serializable")
-
-
-def _skeleton_from_spec(model_id: str, kwargs: dict, spec: dict):
-    """The model's module tree with rank 0's 4-bit layout and unread (uninitialised) weights (see above)."""
-    import bitsandbytes as bnb
-    import torch
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.quantizers import AutoHfQuantizer
-
-    quant_config = kwargs["quantization_config"]
-    config = AutoConfig.from_pretrained(model_id)
-    config.quantization_config = quant_config
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=kwargs["dtype"],
-                                                 attn_implementation=kwargs.get("attn_implementation"))
-    for name, layer in spec["layers"].items():
-        old = model.get_submodule(name)
-        new = bnb.nn.Linear4bit(old.in_features, old.out_features, bias=layer["bias"],
-                                compute_dtype=quant_config.bnb_4bit_compute_dtype,
-                                compress_statistics=quant_config.bnb_4bit_use_double_quant,
-                                quant_type=quant_config.bnb_4bit_quant_type,
-                                quant_storage=getattr(torch, layer["dtype"]), device="meta")
-        packed = torch.empty(layer["shape"], dtype=getattr(torch, layer["dtype"]), device="cpu")
-        new.weight = bnb.nn.Params4bit.from_prequantized(packed, layer["state"], requires_grad=False, device="cpu",
-                                                         module=new)
-        if layer["bias"]:
-            new.bias = old.bias  # still on meta; given memory below with the other parameters
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, new)
-    given = {}  # id(meta parameter) -> its host replacement: tied parameters stay one parameter
-    for module in model.modules():
-        for pname, param in list(module._parameters.items()):
-            if param is not None and param.is_meta:
-                if id(param) not in given:
-                    given[id(param)] = torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="cpu"),
-                                                          requires_grad=param.requires_grad)
-                module._parameters[pname] = given[id(param)]
-    model.tie_weights()  # as from_pretrained does (lm_head = embed_tokens where the config ties them)
-    for key, value in spec["attributes"].items():
-        setattr(model, key, value)
-    model.hf_quantizer = AutoHfQuantizer.from_config(quant_config, pre_quantized=False)
-    model.eval()  # as from_pretrained returns it
-    return model
+    return overrides.skeleton_from_spec(model_id, kwargs, received[0])

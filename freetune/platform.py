@@ -79,6 +79,13 @@ class Paths:
     data: str             # the audited, cleaned data the training script reads
     reports: str          # summaries, plots, evaluation
 
+    @classmethod
+    def under(cls, run_dir, platform: str = "local") -> "Paths":
+        """The run's folders inside run_dir (not created: .make() does that, on the main process)."""
+        run_dir = str(run_dir)
+        return cls(platform=platform, run_dir=run_dir, checkpoints=f"{run_dir}/checkpoints",
+                   adapter=f"{run_dir}/adapter", data=f"{run_dir}/data", reports=f"{run_dir}/reports")
+
     def make(self) -> "Paths":
         for folder in (self.run_dir, self.checkpoints, self.data, self.reports):
             Path(folder).mkdir(parents=True, exist_ok=True)
@@ -102,9 +109,7 @@ def resolve_paths(target: str | None, output_dir: str, run_name: str, use_drive:
         root = platform.persistent_root
     else:
         root = platform.work_root
-    run_dir = str(Path(root).expanduser() / run_name)
-    return Paths(platform=actual, run_dir=run_dir, checkpoints=f"{run_dir}/checkpoints",
-                 adapter=f"{run_dir}/adapter", data=f"{run_dir}/data", reports=f"{run_dir}/reports").make()
+    return Paths.under(Path(root).expanduser() / run_name, platform=actual).make()
 
 
 def _mount_drive() -> None:

@@ -7,13 +7,9 @@ PyTorch cannot run, before a model is downloaded. The plan shows itself as a tab
 
     python -m freetune.preflight [--json] [--model-shape qwen2.5-1.5b] [--max-length 1024]
 
-The precision policy, and why:
-- Turing (T4, sm_75): fp16 tensor cores, no fast bf16. Compute in fp16 with fp16 mixed precision (loss
-  scaling). The non-quantised weights load in fp16 even when the checkpoint says bfloat16: bf16 tensors on the
-  fp16 path fail with `"_amp_foreach_non_finite_check_and_unscale_cuda" not implemented for 'BFloat16'`.
-  LoRA weights stay fp32 (the GradScaler refuses to unscale fp16 gradients, and fp16 weights lose small updates).
-- Ampere and newer (sm_80+): bf16, which has fp32's range and needs no loss scaling.
-- No GPU: fp32 on the CPU (checks and smoke runs).
+Every decision is one function of freetune.choices, which returns the value and the reason the table shows;
+make_plan calls them in order as short steps. `for_world` re-decides what depends on the job's size (torchrun's
+processes, several hosts) once the job is launched; `replan` re-makes the plan once the data's longest row is known.
 """
 
 from __future__ import annotations
@@ -27,14 +23,17 @@ import re
 import shutil
 import subprocess
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from freetune import resources
+from freetune.choices import (choose_attention, choose_batching, choose_budget,
+                              choose_checkpoint_every, choose_checkpointing, choose_compile, choose_frozen_dtype,
+                              choose_layout, choose_lora_kernel, choose_offload, choose_optimizer, choose_policy,
+                              choose_precision, choose_sampler, resolve_policy, resolve_shape)
 from freetune.errors import FreetuneError
+from freetune.fast import VARLEN_ATTENTION, VARLEN_KERNEL_NAMES, varlen_backend
 from freetune.memory import GIB, MemoryEstimate, ModelShape, estimate, fit
 
-POLICIES = ("turing", "ampere")
-LAYOUTS = ("auto", "single", "ddp", "fsdp")
 # What to pick instead of a GPU the installed PyTorch cannot run, where people meet one (Kaggle's P100).
 SUPPORTED_GPU_ADVICE = ('on Kaggle, Settings -> Accelerator -> "GPU T4 x2"; '
                         'on Colab, Runtime -> Change runtime type -> T4 GPU')
@@ -334,98 +333,22 @@ def check_gpus_supported(hardware: Hardware) -> None:
                 f"instead: {SUPPORTED_GPU_ADVICE}.")
 
 
-def choose_policy(hardware: Hardware, force_policy: str | None) -> tuple[str, str, list[str]]:
-    """('turing' | 'ampere' | 'cpu', why, warnings). The why is the compute dtype's reason."""
-    if not hardware.gpus:
-        warnings = ([f"precision forced to the {force_policy} policy, but there is no GPU: fp32 on the CPU"]
-                    if force_policy else [])
-        return "cpu", "no GPU: fp32 on the CPU (16-bit math there is slow or unsupported); for checks and smoke runs", \
-            warnings
-    slowest = min(hardware.gpus, key=lambda g: g.capability)
-    if force_policy == "turing":
-        return "turing", f"forced (precision='fp16'): the T4 policy, fp16, on {slowest.name}", []
-    if force_policy == "ampere":
-        if slowest.capability < (8, 0) or not hardware.bf16_supported:
-            return "ampere", f"forced (precision='bf16') on {slowest.name}", [
-                f"bf16 forced on {slowest.name} ({slowest.sm}), which has no native bf16: expect slow or failing "
-                f"kernels. Use precision='auto' (fp16) on this GPU"]
-        return "ampere", f"forced (precision='bf16') on {slowest.name}", []
-    if slowest.capability >= (8, 0) and hardware.bf16_supported:
-        return "ampere", f"{slowest.name} is {slowest.sm} (Ampere or newer): bf16, fp32's range at 16-bit cost", []
-    if slowest.capability >= (8, 0):
-        return "turing", f"{slowest.name} is {slowest.sm} but this torch reports no bf16 on it: fp16", []
-    return "turing", f"{slowest.name} is {slowest.sm} (Turing or older): fp16 tensor cores, no fast bf16", []
+@dataclass
+class _Sizing:
+    """What make_plan's memory steps share: the asks they size against, and freetune.memory.estimate's settings."""
 
-
-def choose_precision(policy: str) -> tuple[str, str, dict]:
-    """(compute dtype, mixed precision mode, reasons for the weights' dtypes) for a policy."""
-    if policy == "cpu":
-        return "float32", "no", {
-            "mixed_precision": "no autocast on the CPU",
-            "load_dtype": "fp32 like the compute",
-            "lora_dtype": "fp32"}
-    if policy == "turing":
-        return "float16", "fp16", {
-            "mixed_precision": "fp16 autocast with loss scaling (GradScaler)",
-            "load_dtype": "fp16 even if the checkpoint says bfloat16: bf16 tensors on the fp16 path fail with "
-                          "'_amp_foreach_non_finite_check_and_unscale_cuda' not implemented for 'BFloat16'",
-            "lora_dtype": "fp32 (peft autocast_adapter_dtype): the GradScaler cannot unscale fp16 gradients, "
-                          "and fp16 weights lose small updates"}
-    return "bfloat16", "bf16", {
-        "mixed_precision": "bf16 autocast; no loss scaling needed",
-        "load_dtype": "bf16, the dtype the compute runs in",
-        "lora_dtype": "fp32 (peft autocast_adapter_dtype): bf16 weights lose small updates"}
-
-
-def choose_attention(hardware: Hardware, policy: str) -> tuple[str, str]:
-    """(attn_implementation, why): sdpa by default, FlashAttention 2 where installed and sm80+, eager only if
-    torch has no sdpa."""
-    if not hardware.sdpa:
-        return "eager", "this torch has no scaled_dot_product_attention (torch < 2.0): eager"
-    if (policy == "ampere" and hardware.flash_attn and hardware.gpus
-            and all(g.capability >= (8, 0) for g in hardware.gpus)):
-        return "flash_attention_2", "flash-attn is installed and every GPU is sm80+: FlashAttention 2"
-    if policy == "turing":
-        return "sdpa", "PyTorch's fused attention (memory-efficient kernel on Turing); never the seq x seq matrix"
-    if policy == "ampere":
-        why = "PyTorch's fused attention (FlashAttention kernel on sm80+)"
-        return "sdpa", why + ("; pip install flash-attn to use FlashAttention 2 directly" if not hardware.flash_attn
-                              else "")
-    return "sdpa", "PyTorch's fused attention, which also runs on a CPU"
-
-
-def choose_layout(hardware: Hardware) -> tuple[str, int, str]:
-    """(layout, world_size, why)."""
-    if not hardware.gpus:
-        return "cpu", 1, "no GPU"
-    n = hardware.torchrun_world_size or hardware.gpu_count
-    if n == 1:
-        extra = (f" (torchrun started 1 process; {hardware.gpu_count} GPUs visible)"
-                 if hardware.gpu_count > 1 else "")
-        return "single", 1, "one GPU" + extra
-    return "ddp", n, (f"{n} GPUs: DDP, one full model copy per GPU, through torchrun --nproc_per_node={n}; one "
-                      f"process seeing {n} GPUs would make the Trainer use nn.DataParallel, which SFTTrainer refuses")
-
-
-def _resolve_policy(force_policy: str | None, precision: str) -> str | None:
-    from_precision = {"auto": None, "fp16": "turing", "bf16": "ampere"}
-    if precision not in from_precision:
-        raise FreetuneError(f"precision must be 'auto', 'fp16' or 'bf16', not {precision!r}.")
-    if force_policy is not None and force_policy not in POLICIES:
-        raise FreetuneError(f"force_policy must be one of {POLICIES} or None, not {force_policy!r}.")
-    wanted = from_precision[precision]
-    if force_policy and wanted and force_policy != wanted:
-        raise FreetuneError(f"force_policy={force_policy!r} contradicts precision={precision!r}: give one of them.")
-    return force_policy or wanted
-
-
-def _resolve_shape(model_shape) -> ModelShape | None:
-    if model_shape is None or isinstance(model_shape, ModelShape):
-        return model_shape
-    try:
-        return ModelShape.named(str(model_shape))
-    except KeyError:
-        return None  # an unknown hub id: the plan still decides precision and layout, without a memory check
+    shape: ModelShape | None
+    micro_batch: int | None   # as asked; None: the plan chooses
+    rows_per_gpu_step: int
+    max_length: int           # as asked
+    sized: int                # the row length the memory is sized for: the data's longest row, at most max_length
+    budget: float | None
+    budget_why: str
+    checkpointing_auto: bool
+    layout_asked: str
+    common: dict = field(default_factory=dict)
+    # The largest power of two that divides the rows per step, so the accumulation stays a whole number.
+    cap: int = 1
 
 
 def make_plan(hardware: Hardware | None = None, *, model_shape: ModelShape | str | None = None,
@@ -463,175 +386,199 @@ def make_plan(hardware: Hardware | None = None, *, model_shape: ModelShape | str
     asked_for = {k: v for k, v in locals().items() if k != "hardware"}
     hardware = hardware if hardware is not None else read_hardware()
     check_gpus_supported(hardware)
-    policy, reasons_compute, warnings = choose_policy(hardware, _resolve_policy(force_policy, precision))
-    compute_dtype, mixed, reasons = choose_precision(policy)
-    reasons["compute_dtype"] = reasons_compute
-    frozen_dtype, reasons["frozen_dtype"] = choose_frozen_dtype(policy, compute_dtype)
-    attention, reasons["attention"] = choose_attention(hardware, policy)
-    if layout not in LAYOUTS:
-        raise FreetuneError(f"layout must be one of {LAYOUTS}, not {layout!r}.")
-    auto_layout, world_size, reasons["layout"] = choose_layout(hardware)
-    device = "cpu" if policy == "cpu" else "cuda"
-    asked = layout
-    if layout == "auto" or device == "cpu" and layout != "fsdp":
-        layout = auto_layout
-    elif layout != auto_layout:
-        reasons["layout"] = (f"{layout} as asked (layout={layout!r}), over {world_size} process(es)" if layout != "single"
-                             else "single as asked (layout='single'): one process on one GPU")
-        if layout == "single":
-            world_size = 1
-    machine = hardware.summary()
-    built = {g.sm for g in hardware.gpus}
-    reasons["machine"] = (f"torch {hardware.torch or '?'}" + (f", CUDA {hardware.cuda}" if hardware.cuda else "")
-                          + (f", built for {', '.join(sorted(built))}" if built and hardware.arch_list else ""))
-
-    micro_batch = micro_batch or None
-    rows_per_gpu_step = (micro_batch or 1) * grad_accum
-    # A recipe parameter is a string ("auto" / "on" / "off": papermill cannot read a `bool | str` annotation);
-    # library callers may pass a bool.
-    choices = {"auto": None, None: None, "on": True, True: True, "off": False, False: False}
-    if gradient_checkpointing not in choices:
-        raise FreetuneError(f"gradient_checkpointing = {gradient_checkpointing!r}: use 'auto' (on unless the batch fits "
-                            f"without it), 'on' or 'off'.")
-    checkpointing_auto = choices[gradient_checkpointing] is None
-    gradient_checkpointing = True if checkpointing_auto else choices[gradient_checkpointing]
-    reasons["gradient_checkpointing"] = "as given" if not checkpointing_auto else (
-        "on: no model shape to check the memory against, so the safe side")
-    shape = _resolve_shape(model_shape)
+    plan = _precision_step(hardware, force_policy, precision)
+    _layout_step(plan, hardware, layout)
+    on, plan.reasons["gradient_checkpointing"] = choose_checkpointing(gradient_checkpointing)
+    plan.gradient_checkpointing = True if on is None else on
+    shape = resolve_shape(model_shape)
     if model_shape is not None and shape is None:
-        warnings.append(f"no known shape for {model_shape!r}: the memory check is skipped. Pass model_shape as a "
-                        f"local folder or a freetune.memory.ModelShape to size the batch")
-    if device == "cuda":
-        budget = memory_budget_gib or min(g.memory_gib for g in hardware.gpus)
-        budget_why = "set by memory_budget_gib" if memory_budget_gib else "the smallest GPU's memory"
-    else:
-        budget = memory_budget_gib or hardware.ram_available_gib or hardware.ram_total_gib
-        budget_why = "set by memory_budget_gib" if memory_budget_gib else "the CPU RAM available"
-    optimizer, reasons["optimizer"] = choose_optimizer(optimizer, device, shape, budget, lora_rank, lora_targets)
-
-    from freetune.kernels import choose_compile, choose_lora_kernel
-
+        plan.warnings.append(f"no known shape for {model_shape!r}: the memory check is skipped. Pass model_shape as a "
+                             f"local folder or a freetune.memory.ModelShape to size the batch")
+    budget, budget_why = choose_budget(hardware, plan.device, memory_budget_gib)
+    plan.optimizer, plan.reasons["optimizer"] = choose_optimizer(optimizer, plan.device, shape, budget, lora_rank,
+                                                                 lora_targets)
     # Chosen before the memory check (the fused layers keep fp32 absmax values, compiled layers save less) and again
-    # below if FSDP takes over.
-    lora_kernel, reasons["lora_kernel"] = choose_lora_kernel(device, layout)
-    compiled, reasons["compile"] = choose_compile(compile, device, layout)
-    memory = None
+    # at the end, in case FSDP took over.
+    _kernels_step(plan, compile)
+    micro_batch = micro_batch or None
     # The memory is sized for rows as long as the data's longest (the audit counts them; replan passes it), not for
     # max_length: short rows (an SVG set's ~150 tokens) would otherwise be planned as 1,024 each.
-    sized = min(max_length, longest_row) if longest_row else max_length
-    chosen_batch, chosen_length = micro_batch or 1, sized
-    warnings_before_memory = len(warnings)
+    sizing = _Sizing(shape=shape, micro_batch=micro_batch, rows_per_gpu_step=(micro_batch or 1) * grad_accum,
+                     max_length=max_length, sized=min(max_length, longest_row) if longest_row else max_length,
+                     budget=budget, budget_why=budget_why, checkpointing_auto=on is None, layout_asked=layout)
+    plan.micro_batch, plan.max_length = micro_batch or 1, sizing.sized
     if shape is not None and budget:
-        common = dict(lora_rank=lora_rank, lora_targets=lora_targets, gradient_checkpointing=gradient_checkpointing,
-                      optimizer=optimizer, compute_dtype=compute_dtype, device=device, world_size=world_size,
-                      loss_head=loss_head, lora_kernel=lora_kernel, frozen_dtype=frozen_dtype, compiled=compiled)
-        # Powers of two that divide the rows per step, so the accumulation stays a whole number.
-        cap = max(b for b in (1, 2, 4, 8, 16) if rows_per_gpu_step % b == 0)
-        if checkpointing_auto:
-            # A full micro-batch without recompute beats a bigger one with it only if it fits whole: batch size
-            # is worth more tokens/s than the ~30% the recompute costs, so checkpointing goes only when both hold.
-            whole = micro_batch or cap
-            bare = estimate(shape, max_length=sized, micro_batch=whole,
-                            **{**common, "gradient_checkpointing": False})
-            bare.budget_gib = budget
-            gradient_checkpointing = not bare.fits
-            common["gradient_checkpointing"] = gradient_checkpointing
-            reasons["gradient_checkpointing"] = (
-                f"on: without it {whole} x {sized} tokens would need ~{bare.total_gib:.1f} of {budget:.1f} GiB"
-                if gradient_checkpointing else
-                f"off: {whole} x {sized} tokens fit without it (~{bare.total_gib:.1f} of {budget:.1f} GiB), "
-                f"which saves recomputing every layer in the backward (~30% of a step)")
-            if gradient_checkpointing and device == "cuda" and layout != "fsdp":
-                every, why = choose_checkpoint_every(shape, budget, sized, whole, common)
-                if every > 1:
-                    common["checkpoint_every"] = every
-                    reasons["gradient_checkpointing"] = why
-        if gradient_checkpointing and device == "cuda" and layout != "fsdp" and common.get("checkpoint_every", 1) == 1:
-            offload, reasons["offload"] = choose_offload(shape, budget, sized, micro_batch or cap, common)
-            common["offload_activations"] = offload
-        if micro_batch is None:
-            chosen_batch, chosen_length, memory, why = fit(shape, budget, max_length=sized,
-                                                           max_micro_batch=cap, **common)
-            reasons["batch"] = f"{shape.name}: {why}" + (
-                f" (the data's longest row; rows are cut at max_length {max_length})" if sized < max_length else "")
-            if not memory.fits:
-                warnings.append(f"{shape.name} {why}")
-            elif chosen_length < sized:
-                warnings.append(f"max_length lowered from {max_length} to {chosen_length} so that one row fits "
-                                f"in {budget:.1f} GiB: longer rows are cut")
-        else:
-            fitted_batch, fitted_length, _, _ = fit(shape, budget, max_length=sized,
-                                                    max_micro_batch=micro_batch, **common)
-            memory = estimate(shape, max_length=sized, micro_batch=micro_batch, **common)
-            memory.budget_gib = budget
-            reasons["batch"] = f"micro_batch {micro_batch} as given; ~{memory.total_gib:.1f} GiB for {shape.name}"
-            if not memory.fits:
-                advice = (f"use micro_batch={fitted_batch} with grad_accum={rows_per_gpu_step // fitted_batch} "
-                          f"(same rows per step)" if fitted_length == sized and fitted_batch < micro_batch
-                          else "lower max_length or lora_rank, or pick a smaller model or a bigger GPU")
-                warnings.append(f"micro_batch {micro_batch} x {sized} tokens needs ~{memory.total_gib:.1f} GiB "
-                                f"({memory.breakdown()}), more than {budget:.1f} GiB: {advice}")
-        # DDP needs one full 4-bit copy per GPU plus one row of max_length; when even that does not fit and
-        # there are several GPUs, shard the model over them instead (FSDP): each holds 1/N of the weights, the
-        # LoRA gradients and the optimizer state.
-        one_row = estimate(shape, max_length=sized, micro_batch=1, **common)
-        one_row.budget_gib = budget
-        if layout == "fsdp" or (asked == "auto" and layout == "ddp" and world_size > 1 and not one_row.fits):
-            common["shards"] = max(world_size, 1)
-            common["offload_activations"] = False  # FSDP's own path; not combined with TRL's offloading here
-            common["compiled"] = False  # FSDP runs eagerly (kernels.choose_compile)
-            del warnings[warnings_before_memory:]  # they were about the unsharded layout
-            if micro_batch is None:
-                chosen_batch, chosen_length, memory, why = fit(shape, budget, max_length=sized,
-                                                               max_micro_batch=cap, **common)
-            else:
-                memory = estimate(shape, max_length=sized, micro_batch=micro_batch, **common)
-                memory.budget_gib = budget
-                why = f"micro_batch {micro_batch} as given; ~{memory.total_gib:.1f} of {budget:.1f} GiB"
-            reasons["batch"] = f"{shape.name} sharded over {world_size} GPU(s): {why}"
-            if layout != "fsdp":
-                reasons["layout"] = (f"{world_size} GPUs: FSDP, because one full copy per GPU (DDP) needs "
-                                     f"~{one_row.total_gib:.1f} GiB for one row of {sized} tokens, more than "
-                                     f"{budget:.1f} GiB; sharded over {world_size}, ~{memory.total_gib:.1f} GiB each. "
-                                     f"torchrun --nproc_per_node={world_size}, wrapped per decoder layer")
-                layout = "fsdp"
-            if not memory.fits:
-                warnings.append(f"{shape.name} does not fit even sharded over {world_size} GPU(s): {why}")
-        reasons["memory"] = f"{budget_why}; {memory.breakdown()}"
+        _memory_step(plan, sizing, lora_rank=lora_rank, lora_targets=lora_targets, loss_head=loss_head)
     else:
-        reasons["batch"] = ("as given" if micro_batch else "1 (no model shape to size it against: give "
-                            "model_shape to let the plan choose)")
-    grad_accum_out = max(1, rows_per_gpu_step // chosen_batch)
-    from freetune.fast import VARLEN_ATTENTION, VARLEN_KERNEL_NAMES, choose_batching, choose_sampler, varlen_backend
+        plan.reasons["batch"] = ("as given" if micro_batch else "1 (no model shape to size it against: give "
+                                 "model_shape to let the plan choose)")
+    _batching_step(plan, hardware, sizing)
+    _final_step(plan, hardware, sizing, compile)
+    plan.asked = asked_for
+    return plan
 
-    batching, batch_attention, reasons["batching"] = choose_batching(
-        policy, [g.capability for g in hardware.gpus], chosen_batch)
+
+def _precision_step(hardware: Hardware, force_policy: str | None, precision: str) -> Plan:
+    """The precision policy (a T4's fp16, Ampere's bf16, a CPU's fp32) and the dtypes and attention it implies."""
+    policy, compute_why, warnings = choose_policy(hardware, resolve_policy(force_policy, precision))
+    compute_dtype, mixed, reasons = choose_precision(policy)
+    reasons["compute_dtype"] = compute_why
+    frozen_dtype, reasons["frozen_dtype"] = choose_frozen_dtype(policy, compute_dtype)
+    attention, reasons["attention"] = choose_attention(hardware, policy)
+    return Plan(device="cpu" if policy == "cpu" else "cuda", compute_dtype=compute_dtype, mixed_precision=mixed,
+                attn_implementation=attention, reasons=reasons, lora_dtype="float32", policy=policy,
+                frozen_dtype=frozen_dtype, warnings=warnings)
+
+
+def _layout_step(plan: Plan, hardware: Hardware, layout: str) -> None:
+    """One process, DDP or FSDP (the memory step may still shard), and the machine the plan is for."""
+    plan.layout, plan.world_size, plan.reasons["layout"] = choose_layout(hardware, layout, plan.device)
+    plan.machine = hardware.summary()
+    built = {g.sm for g in hardware.gpus}
+    plan.reasons["machine"] = (f"torch {hardware.torch or '?'}" + (f", CUDA {hardware.cuda}" if hardware.cuda else "")
+                               + (f", built for {', '.join(sorted(built))}" if built and hardware.arch_list else ""))
+
+
+def _kernels_step(plan: Plan, compile: str) -> None:
+    plan.lora_kernel, plan.reasons["lora_kernel"] = choose_lora_kernel(plan.device, plan.layout)
+    plan.compile, plan.reasons["compile"] = choose_compile(compile, plan.device, plan.layout)
+
+
+def _memory_step(plan: Plan, sizing: _Sizing, **lora) -> None:
+    """Checkpointing (when "auto"), offloading, the micro-batch and max_length that fit; FSDP where DDP cannot."""
+    sizing.common = dict(lora_rank=lora["lora_rank"], lora_targets=lora["lora_targets"],
+                         gradient_checkpointing=plan.gradient_checkpointing, optimizer=plan.optimizer,
+                         compute_dtype=plan.compute_dtype, device=plan.device, world_size=plan.world_size,
+                         loss_head=lora["loss_head"], lora_kernel=plan.lora_kernel, frozen_dtype=plan.frozen_dtype,
+                         compiled=plan.compile)
+    sizing.cap = max(b for b in (1, 2, 4, 8, 16) if sizing.rows_per_gpu_step % b == 0)
+    if sizing.checkpointing_auto:
+        _checkpointing_by_memory(plan, sizing)
+    common = sizing.common
+    if (plan.gradient_checkpointing and plan.device == "cuda" and plan.layout != "fsdp"
+            and common.get("checkpoint_every", 1) == 1):
+        offload, plan.reasons["offload"] = choose_offload(sizing.shape, sizing.budget, sizing.sized,
+                                                          sizing.micro_batch or sizing.cap, common)
+        common["offload_activations"] = offload
+    warnings_before = len(plan.warnings)
+    _fit_batch(plan, sizing)
+    _shard_if_needed(plan, sizing, warnings_before)
+    plan.reasons["memory"] = f"{sizing.budget_why}; {plan.memory.breakdown()}"
+
+
+def _checkpointing_by_memory(plan: Plan, sizing: _Sizing) -> None:
+    """"auto": off when the whole micro-batch fits without it; on, for every n-th layer only where that fits."""
+    # A full micro-batch without recompute beats a bigger one with it only if it fits whole: batch size is worth more
+    # tokens/s than the ~30% the recompute costs, so checkpointing goes only when both hold.
+    shape, sized, budget, common = sizing.shape, sizing.sized, sizing.budget, sizing.common
+    whole = sizing.micro_batch or sizing.cap
+    bare = estimate(shape, max_length=sized, micro_batch=whole, **{**common, "gradient_checkpointing": False})
+    bare.budget_gib = budget
+    plan.gradient_checkpointing = not bare.fits
+    common["gradient_checkpointing"] = plan.gradient_checkpointing
+    plan.reasons["gradient_checkpointing"] = (
+        f"on: without it {whole} x {sized} tokens would need ~{bare.total_gib:.1f} of {budget:.1f} GiB"
+        if plan.gradient_checkpointing else
+        f"off: {whole} x {sized} tokens fit without it (~{bare.total_gib:.1f} of {budget:.1f} GiB), "
+        f"which saves recomputing every layer in the backward (~30% of a step)")
+    if plan.gradient_checkpointing and plan.device == "cuda" and plan.layout != "fsdp":
+        every, why = choose_checkpoint_every(shape, budget, sized, whole, common)
+        if every > 1:
+            common["checkpoint_every"] = every
+            plan.reasons["gradient_checkpointing"] = why
+
+
+def _fit_batch(plan: Plan, sizing: _Sizing) -> None:
+    """The largest micro-batch that fits (or the one asked for, with advice when it does not)."""
+    shape, sized, budget, common, asked = sizing.shape, sizing.sized, sizing.budget, sizing.common, sizing.micro_batch
+    if asked is None:
+        plan.micro_batch, plan.max_length, plan.memory, why = fit(shape, budget, max_length=sized,
+                                                                  max_micro_batch=sizing.cap, **common)
+        plan.reasons["batch"] = f"{shape.name}: {why}" + (
+            f" (the data's longest row; rows are cut at max_length {sizing.max_length})"
+            if sized < sizing.max_length else "")
+        if not plan.memory.fits:
+            plan.warnings.append(f"{shape.name} {why}")
+        elif plan.max_length < sized:
+            plan.warnings.append(f"max_length lowered from {sizing.max_length} to {plan.max_length} so that one row "
+                                 f"fits in {budget:.1f} GiB: longer rows are cut")
+        return
+    fitted_batch, fitted_length, _, _ = fit(shape, budget, max_length=sized, max_micro_batch=asked, **common)
+    plan.memory = estimate(shape, max_length=sized, micro_batch=asked, **common)
+    plan.memory.budget_gib = budget
+    plan.reasons["batch"] = f"micro_batch {asked} as given; ~{plan.memory.total_gib:.1f} GiB for {shape.name}"
+    if not plan.memory.fits:
+        advice = (f"use micro_batch={fitted_batch} with grad_accum={sizing.rows_per_gpu_step // fitted_batch} "
+                  f"(same rows per step)" if fitted_length == sized and fitted_batch < asked
+                  else "lower max_length or lora_rank, or pick a smaller model or a bigger GPU")
+        plan.warnings.append(f"micro_batch {asked} x {sized} tokens needs ~{plan.memory.total_gib:.1f} GiB "
+                             f"({plan.memory.breakdown()}), more than {budget:.1f} GiB: {advice}")
+
+
+def _shard_if_needed(plan: Plan, sizing: _Sizing, warnings_before: int) -> None:
+    """FSDP when asked, or when several GPUs cannot each hold one full copy and one row (DDP): each GPU then holds 1/N
+    of the weights, the LoRA gradients and the optimizer state."""
+    shape, sized, budget, common, asked = sizing.shape, sizing.sized, sizing.budget, sizing.common, sizing.micro_batch
+    one_row = estimate(shape, max_length=sized, micro_batch=1, **common)
+    one_row.budget_gib = budget
+    world = plan.world_size
+    if not (plan.layout == "fsdp" or (sizing.layout_asked == "auto" and plan.layout == "ddp" and world > 1
+                                      and not one_row.fits)):
+        return
+    common["shards"] = max(world, 1)
+    common["offload_activations"] = False  # FSDP's own path; not combined with TRL's offloading here
+    common["compiled"] = False  # FSDP runs eagerly (choices.choose_compile)
+    del plan.warnings[warnings_before:]  # they were about the unsharded layout
+    if asked is None:
+        plan.micro_batch, plan.max_length, plan.memory, why = fit(shape, budget, max_length=sized,
+                                                                  max_micro_batch=sizing.cap, **common)
+    else:
+        plan.memory = estimate(shape, max_length=sized, micro_batch=asked, **common)
+        plan.memory.budget_gib = budget
+        why = f"micro_batch {asked} as given; ~{plan.memory.total_gib:.1f} of {budget:.1f} GiB"
+    plan.reasons["batch"] = f"{shape.name} sharded over {world} GPU(s): {why}"
+    if plan.layout != "fsdp":
+        plan.reasons["layout"] = (f"{world} GPUs: FSDP, because one full copy per GPU (DDP) needs "
+                                  f"~{one_row.total_gib:.1f} GiB for one row of {sized} tokens, more than "
+                                  f"{budget:.1f} GiB; sharded over {world}, ~{plan.memory.total_gib:.1f} GiB each. "
+                                  f"torchrun --nproc_per_node={world}, wrapped per decoder layer")
+        plan.layout = "fsdp"
+    if not plan.memory.fits:
+        plan.warnings.append(f"{shape.name} does not fit even sharded over {world} GPU(s): {why}")
+
+
+def _batching_step(plan: Plan, hardware: Hardware, sizing: _Sizing) -> None:
+    """The accumulation that keeps the rows per step, how a micro-batch's rows are laid out, and which rank gets which."""
+    plan.grad_accum = max(1, sizing.rows_per_gpu_step // plan.micro_batch)
+    plan.batching, attention, plan.reasons["batching"] = choose_batching(
+        plan.policy, [g.capability for g in hardware.gpus], plan.micro_batch)
     # Processes, not GPUs: a CPU job under torchrun has several ranks too.
-    sampler, reasons["sampler"] = choose_sampler(batching, max(world_size, hardware.torchrun_world_size or 1))
-    if batch_attention == VARLEN_ATTENTION:
-        attention = VARLEN_ATTENTION
-        reasons["attention"] = (f"padding-free rows through PyTorch's variable-length "
-                                f"{VARLEN_KERNEL_NAMES.get(varlen_backend(), 'attention')} kernel (freetune.fast); "
-                                f"anything else through sdpa")
-    if world_size > 1:
-        reasons["batch"] += f"; {world_size} GPUs x {chosen_batch} x {grad_accum_out} rows per optimizer step"
-    chosen_length = max_length if chosen_length >= sized else chosen_length  # lowered only when a row did not fit
-    reasons["max_length"] = ("as given" if chosen_length == max_length else f"lowered from {max_length} to fit")
-    warnings += _disk_warnings(hardware, shape)
-    lora_kernel, reasons["lora_kernel"] = choose_lora_kernel(device, layout)
-    compiled, reasons["compile"] = choose_compile(compile, device, layout)
+    plan.sampler, plan.reasons["sampler"] = choose_sampler(plan.batching,
+                                                           max(plan.world_size, hardware.torchrun_world_size or 1))
+    if attention == VARLEN_ATTENTION:
+        plan.attn_implementation = VARLEN_ATTENTION
+        plan.reasons["attention"] = (f"padding-free rows through PyTorch's variable-length "
+                                     f"{VARLEN_KERNEL_NAMES.get(varlen_backend(), 'attention')} kernel "
+                                     f"(freetune.fast); anything else through sdpa")
+    if plan.world_size > 1:
+        plan.reasons["batch"] += (f"; {plan.world_size} GPUs x {plan.micro_batch} x {plan.grad_accum} rows per "
+                                  f"optimizer step")
 
-    offload = bool(memory is not None and memory.settings.get("offload_activations") and gradient_checkpointing)
-    if offload:
-        reasons["gradient_checkpointing"] += f"; {reasons['offload']}"
-    return Plan(device=device, compute_dtype=compute_dtype, mixed_precision=mixed, attn_implementation=attention,
-                reasons=reasons, layout=layout, world_size=world_size, micro_batch=chosen_batch,
-                grad_accum=grad_accum_out, max_length=chosen_length, lora_dtype="float32", policy=policy,
-                memory=memory, machine=machine, warnings=warnings, batching=batching, sampler=sampler,
-                gradient_checkpointing=gradient_checkpointing, lora_kernel=lora_kernel, optimizer=optimizer,
-                compile=compiled, frozen_dtype=frozen_dtype, offload_activations=offload,
-                checkpoint_every=memory.settings.get("checkpoint_every", 1) if memory is not None else 1,
-                asked=asked_for)
+
+def _final_step(plan: Plan, hardware: Hardware, sizing: _Sizing, compile: str) -> None:
+    """max_length as given unless a row did not fit, the disk, the kernels for the final layout, offloading."""
+    if plan.max_length >= sizing.sized:  # lowered only when a row did not fit
+        plan.max_length = sizing.max_length
+    plan.reasons["max_length"] = ("as given" if plan.max_length == sizing.max_length
+                                  else f"lowered from {sizing.max_length} to fit")
+    plan.warnings += _disk_warnings(hardware, sizing.shape)
+    _kernels_step(plan, compile)
+    memory = plan.memory
+    plan.offload_activations = bool(memory is not None and memory.settings.get("offload_activations")
+                                    and plan.gradient_checkpointing)
+    if plan.offload_activations:
+        plan.reasons["gradient_checkpointing"] += f"; {plan.reasons['offload']}"
+    plan.checkpoint_every = memory.settings.get("checkpoint_every", 1) if memory is not None else 1
 
 
 def replan(plan: Plan, hardware: Hardware | None = None, **changes) -> Plan:
@@ -646,77 +593,17 @@ def replan(plan: Plan, hardware: Hardware | None = None, **changes) -> Plan:
     return make_plan(hardware, **asked)
 
 
-def choose_frozen_dtype(policy: str, compute_dtype: str) -> tuple[str, str]:
-    """(dtype of the frozen non-4-bit weights, why)."""
-    if policy == "cpu":
-        return "float32", "a CPU run is a check: fp32 as peft's prepare_model_for_kbit_training leaves them"
-    return compute_dtype, (f"the frozen embeddings, norms and head stay {compute_dtype}, as loaded: nothing trains "
-                           f"them, so peft's fp32 upcast would only double their memory and that of the residual "
-                           f"stream every layer saves")
-
-
-# Partial checkpointing keeps every other layer's activations, sized from an estimate: it must fit with this margin.
-PARTIAL_CHECKPOINT_MARGIN = 1.10
-
-
-def choose_checkpoint_every(shape, budget_gib: float, max_length: int, micro_batch: int,
-                            common: dict) -> tuple[int, str]:
-    """(n, why): checkpoint only every n-th decoder layer (transformers' every_n_layers), the largest n whose estimate
-    fits the budget with PARTIAL_CHECKPOINT_MARGIN to spare; 1 (every layer) when none does. The layers left out keep
-    their activations and skip the recompute: memory the card has spare, spent on speed."""
-    settings = {**common, "gradient_checkpointing": True}
-    for every in (8, 4, 3, 2):
-        est = estimate(shape, max_length=max_length, micro_batch=micro_batch, **settings, checkpoint_every=every)
-        if est.total_gib * PARTIAL_CHECKPOINT_MARGIN <= budget_gib:
-            checkpointed = -(-shape.layers // every)
-            return every, (f"on for {checkpointed} of {shape.layers} layers (every {every}): all of them off would "
-                           f"need more than {budget_gib:.1f} GiB; this way ~{est.total_gib:.1f} GiB, and only "
-                           f"those layers are recomputed in the backward")
-    return 1, ""
-
-
-# Checkpointed layers' inputs are offloaded to host memory when they take more than this share of the memory budget.
-OFFLOAD_MIN_SHARE = 0.10
-
-
-def choose_offload(shape, budget_gib: float, max_length: int, micro_batch: int, common: dict) -> tuple[bool, str]:
-    """(offload the checkpointed layers' inputs to pinned host memory?, why). The copies overlap with the layers'
-    compute (TRL's activation offloading, on a stream of its own); worth it when those inputs are a real share of
-    the budget: what they free goes to a larger micro-batch, longer rows, or headroom on a small card."""
-    settings = {**common, "gradient_checkpointing": True}
-    kept = estimate(shape, max_length=max_length, micro_batch=micro_batch, **settings)
-    offloaded = estimate(shape, max_length=max_length, micro_batch=micro_batch,
-                         **{**settings, "offload_activations": True})
-    freed = kept.activations_gib - offloaded.activations_gib
-    if freed > OFFLOAD_MIN_SHARE * budget_gib:
-        return True, (f"the layers' saved inputs ({freed:.2f} GiB at {micro_batch} x {max_length} tokens) wait in "
-                      f"pinned host memory until their backward, copied alongside the compute")
-    return False, (f"the layers' saved inputs stay on the GPU ({freed:.2f} GiB, under {OFFLOAD_MIN_SHARE:.0%} of "
-                   f"{budget_gib:.1f} GiB)")
-
-
-# Fused AdamW's fp32 state (8 bytes per LoRA weight, 2 for paged 8-bit) is taken when the difference stays under
-# this share of the GPU memory budget.
-FUSED_ADAMW_MAX_SHARE = 0.02
-
-
-def choose_optimizer(optimizer: str, device: str, shape, budget_gib: float | None, lora_rank: int,
-                     lora_targets) -> tuple[str, str]:
-    """(Trainer optim name, why)."""
-    if device == "cpu" and ("8bit" in optimizer or "paged" in optimizer or optimizer == "auto"):
-        # bitsandbytes' 8-bit optimisers need CUDA; the CPU run uses plain AdamW.
-        return "adamw_torch", "a CPU run: PyTorch's AdamW (bitsandbytes' 8-bit optimizers need CUDA)"
-    if optimizer != "auto":
-        return optimizer, "as given"
-    if shape is None or not budget_gib:
-        return "paged_adamw_8bit", "paged 8-bit AdamW: no model shape to size the fp32 state against"
-    extra_gib = shape.lora_params(lora_rank, lora_targets) * 6 / 2**30
-    if extra_gib <= FUSED_ADAMW_MAX_SHARE * budget_gib:
-        return "adamw_torch_fused", (f"fused AdamW: one launch updates every LoRA weight (8-bit AdamW launches per "
-                                     f"tensor); its fp32 state costs {extra_gib * 1024:.0f} MiB more, "
-                                     f"<= {FUSED_ADAMW_MAX_SHARE:.0%} of {budget_gib:.1f} GiB")
-    return "paged_adamw_8bit", (f"paged 8-bit AdamW: fp32 state would cost {extra_gib * 1024:.0f} MiB more, over "
-                                f"{FUSED_ADAMW_MAX_SHARE:.0%} of {budget_gib:.1f} GiB")
+def for_world(plan: Plan, processes: int, hosts: int = 1) -> Plan:
+    """The plan for a torchrun job of `processes` ranks over `hosts` machines, which the machine that planned could not
+    see (it planned for its own GPUs): each optimizer step's rows are shared by every rank of the job, and the
+    sampler follows the processes (a CPU job under torchrun has several ranks too). Returns a copy."""
+    job = replace(plan, reasons=dict(plan.reasons))
+    if hosts > 1 and processes > plan.world_size:
+        job.reasons["layout"] = (f"{hosts} hosts x {processes // hosts} process(es) = {processes} ranks through "
+                                 f"torchrun's c10d rendezvous; " + plan.reasons.get("layout", ""))
+        job.world_size = processes
+    job.sampler, job.reasons["sampler"] = choose_sampler(plan.batching, processes)
+    return job
 
 
 def _disk_warnings(hardware: Hardware, shape: ModelShape | None) -> list[str]:

@@ -20,13 +20,16 @@ import time
 import warnings
 from pathlib import Path
 
-from freetune import bnb_cpu, checkpoint, fast, kernels, params, tracking
+from freetune import checkpoint, fast, kernels, overrides, params, tracking
+from freetune.batching import PAD_TO
+from freetune.choices import choose_optimizer
 from freetune.console import duration
-from freetune.distributed import COLLECTIVE_TIMEOUT_S, WriteTracer, check_replicas_agree, context, print0
+from freetune.distributed import COLLECTIVE_TIMEOUT_S, check_replicas_agree, context, print0
 from freetune.errors import FreetuneError
 from freetune.model import adapter_dtype_guard
+from freetune.overrides import NonFiniteGuard
 from freetune.platform import Paths
-from freetune.preflight import Plan, choose_optimizer
+from freetune.preflight import Plan
 
 SUMMARY_FILE = "run_summary.json"
 HISTORY_FILE = "log_history.json"
@@ -49,27 +52,39 @@ def memory_gib() -> tuple[float, float, str]:
     return rss, peak, "RAM"
 
 
-def make_config(paths: Paths, plan: Plan, *, max_steps: int, micro_batch: int, grad_accum: int,
-                learning_rate: float, max_length: int, optimizer: str = "auto",
-                max_grad_norm: float = 1.0, warmup_ratio: float = 0.03, logging_steps: int = 1,
-                save_steps: int = 50, save_total_limit: int = 3, gradient_checkpointing: bool | None = None,
-                seed: int = 0, assistant_only: bool = False, num_epochs: float = 1.0, eval_steps: int = 0,
-                report_to: str = "none"):
-    """An SFTConfig that follows the plan's precision and device; every knob here is a recipe parameter.
+# The recipe parameters make_config reads from `params` (a recipe passes its whole parameters cell; other names are
+# ignored). The batch shape, max_length and checkpointing come from the plan, never from params, which hold what was
+# asked of the plan (micro_batch 0: "let the plan choose").
+RUN_PARAMS = ("max_steps", "learning_rate", "optimizer", "max_grad_norm", "warmup_ratio", "logging_steps", "save_steps",
+              "save_total_limit", "seed", "num_epochs", "eval_steps", "report_to")
+
+
+def make_config(paths: Paths, plan: Plan, params: dict | None = None, **settings):
+    """The SFTConfig of a run: the plan's batch (micro_batch x grad_accum), max_length, precision, device,
+    checkpointing, batching and sampler; the run's knobs (RUN_PARAMS) from `params`, the recipe's parameters
+    (freetune.params.check); any keyword given here over both. Keywords: those of RUN_PARAMS, assistant_only, and
+    micro_batch / grad_accum / max_length / gradient_checkpointing to run other than the plan says (benchmarks, tests).
 
     eval_steps: evaluate the held-out rows every N steps (0: never); report_to: "none", "tensorboard" or "trackio"
-    (freetune.tracking).
-
-    save_total_limit: complete checkpoints kept (at least 2: the newest can be cut short by a disconnect while
-    the one before it is what a rerun resumes from).
-    gradient_checkpointing: None follows the plan (off only when the batch fits without it).
-    The plan's batching and sampler (freetune.fast) ride along on the config: "length_grouped" sets the Trainer's
-    length-grouped sampler here, "rank_balanced" is put in by fast.trainer_class, "padding_free" switches the
-    collator once train() has built the trainer.
+    (freetune.tracking). save_total_limit: complete checkpoints kept (at least 2: the newest can be cut short by a
+    disconnect while the one before it is what a rerun resumes from). optimizer "auto": the plan's.
+    freetune.train.train reads the rest of the plan (batching, sampler, LoRA kernel, compile) from the plan itself.
     """
+    run = {name: value for name, value in (params or {}).items() if name in RUN_PARAMS}
+    return _sft_config(paths, plan, **{**run, **settings})
+
+
+def _sft_config(paths: Paths, plan: Plan, *, max_steps: int, learning_rate: float, micro_batch: int | None = None,
+                grad_accum: int | None = None, max_length: int | None = None, optimizer: str = "auto",
+                max_grad_norm: float = 1.0, warmup_ratio: float = 0.03, logging_steps: int = 1, save_steps: int = 50,
+                save_total_limit: int = 3, gradient_checkpointing: bool | None = None, seed: int = 0,
+                assistant_only: bool = False, num_epochs: float = 1.0, eval_steps: int = 0, report_to: str = "none"):
     import torch
     from trl import SFTConfig
 
+    micro_batch = plan.micro_batch if micro_batch is None else micro_batch
+    grad_accum = plan.grad_accum if grad_accum is None else grad_accum
+    max_length = plan.max_length if max_length is None else max_length
     if save_total_limit is None or save_total_limit < 2:
         raise FreetuneError(f"save_total_limit = {save_total_limit}: keep at least 2 checkpoints, so that a session "
                             f"lost while the newest one is written still leaves a complete one to resume from.")
@@ -77,14 +92,6 @@ def make_config(paths: Paths, plan: Plan, *, max_steps: int, micro_batch: int, g
     # (max_steps aside: -1 with num_epochs trains by epochs).
     params.require(grad_accum=grad_accum, learning_rate=learning_rate, max_length=max_length,
                    max_grad_norm=max_grad_norm, logging_steps=logging_steps, save_steps=save_steps, seed=seed)
-
-    if optimizer == "auto":
-        optimizer = plan.optimizer  # the plan's choice (freetune.preflight.choose_optimizer)
-    if plan.device == "cpu":
-        asked = optimizer
-        optimizer, _ = choose_optimizer(optimizer, plan.device, None, None, 0, "all-linear")
-        if optimizer != asked:  # bitsandbytes' paged/8-bit optimisers need CUDA
-            print0(f"Optimizer {asked} needs a GPU: using {optimizer} on the CPU.")
     if gradient_checkpointing is None:
         gradient_checkpointing = plan.gradient_checkpointing
     config = SFTConfig(
@@ -96,20 +103,15 @@ def make_config(paths: Paths, plan: Plan, *, max_steps: int, micro_batch: int, g
         learning_rate=learning_rate,
         lr_scheduler_type="cosine",
         warmup_steps=max(1, math.ceil(warmup_ratio * max_steps)) if max_steps > 0 else 0,
-        optim=optimizer,
+        optim=_optimizer(plan, optimizer),
         max_grad_norm=max_grad_norm,
         fp16=plan.mixed_precision == "fp16",
         bf16=plan.mixed_precision == "bf16",
         use_cpu=plan.device == "cpu",
-        gradient_checkpointing=gradient_checkpointing,
-        # every_n_layers: only every n-th layer is checkpointed where the plan found room for the others
-        # (preflight.choose_checkpoint_every); the Trainer passes it to gradient_checkpointing_enable.
-        gradient_checkpointing_kwargs={"use_reentrant": False, **(
-            {"every_n_layers": plan.checkpoint_every} if plan.checkpoint_every > 1 else {})},
         max_length=max_length,
         # Compiled layers guard on the token count's divisibility by 8 and recompile when it changes; padded
-        # batches are padded to a multiple of 8 for that (padding-free ones get fast.AlignedPaddingFree's row).
-        pad_to_multiple_of=fast.PAD_TO if plan.compile and plan.batching != "padding_free" else None,
+        # batches are padded to a multiple of 8 for that (padding-free ones get batching.AlignedPaddingFree's row).
+        pad_to_multiple_of=PAD_TO if plan.compile and plan.batching != "padding_free" else None,
         assistant_only_loss=assistant_only,
         logging_steps=logging_steps,
         logging_first_step=True,
@@ -119,6 +121,50 @@ def make_config(paths: Paths, plan: Plan, *, max_steps: int, micro_batch: int, g
         disable_tqdm=True,
         seed=seed,
         data_seed=seed,
+        # Similar lengths in a padded batch: little padding where rows cannot be concatenated (freetune.batching).
+        # "rank_balanced" is freetune's own (freetune.sampler), put in by the trainer (FreetuneTrainer).
+        train_sampling_strategy="group_by_length" if plan.sampler == "length_grouped" else "random",
+        **_checkpointing_fields(plan, gradient_checkpointing),
+        **_host_sync_fields(plan),
+        **fsdp_settings(plan),
+        **tracking.sft_fields(paths, report_to=report_to, eval_steps=eval_steps, micro_batch=micro_batch),
+    )
+    if plan.device == "cuda" and torch.cuda.device_count() > 1 and "LOCAL_RANK" not in os.environ:
+        # One process that sees two GPUs makes the Trainer wrap the model in nn.DataParallel, which SFTTrainer
+        # refuses. Inline training uses one GPU; the Kaggle notebook's torchrun cell uses them all.
+        overrides.one_gpu_only(config)
+        print0(f"{torch.cuda.device_count()} GPUs visible: this inline run uses GPU 0 only. "
+               f"The torchrun (DDP) cell trains on all of them.")
+    return config
+
+
+def _optimizer(plan: Plan, optimizer: str) -> str:
+    """The Trainer's optim: the plan's for "auto" (freetune.choices.choose_optimizer); one that runs on a CPU there."""
+    if optimizer == "auto":
+        optimizer = plan.optimizer
+    if plan.device == "cpu":
+        asked = optimizer
+        optimizer, _ = choose_optimizer(optimizer, plan.device, None, None, 0, "all-linear")
+        if optimizer != asked:  # bitsandbytes' paged/8-bit optimisers need CUDA
+            print0(f"Optimizer {asked} needs a GPU: using {optimizer} on the CPU.")
+    return optimizer
+
+
+def _checkpointing_fields(plan: Plan, gradient_checkpointing: bool) -> dict:
+    return dict(
+        gradient_checkpointing=gradient_checkpointing,
+        # every_n_layers: only every n-th layer is checkpointed where the plan found room for the others
+        # (choices.choose_checkpoint_every); the Trainer passes it to gradient_checkpointing_enable.
+        gradient_checkpointing_kwargs={"use_reentrant": False, **(
+            {"every_n_layers": plan.checkpoint_every} if plan.checkpoint_every > 1 else {})},
+        # The checkpointed layers' inputs wait in pinned host memory (TRL's activation offloading, copies on a
+        # stream of their own) when the plan says they take a real share of the GPU (choices.choose_offload).
+        activation_offloading=plan.offload_activations and gradient_checkpointing,
+    )
+
+
+def _host_sync_fields(plan: Plan) -> dict:
+    return dict(
         # DDP: every LoRA weight gets a gradient each step, so the unused-parameter search is pure overhead;
         # a finite timeout ends the job within minutes when one rank dies.
         ddp_find_unused_parameters=False,
@@ -137,29 +183,7 @@ def make_config(paths: Paths, plan: Plan, *, max_steps: int, micro_batch: int, g
         dataloader_pin_memory=plan.device == "cuda",
         accelerator_config={"non_blocking": plan.device == "cuda"},
         logging_nan_inf_filter=False,
-        # Similar lengths in a padded batch: little padding where rows cannot be concatenated (freetune.fast).
-        # "rank_balanced" is freetune's own (fast.RankBalancedSampler), put in by the trainer class.
-        train_sampling_strategy="group_by_length" if plan.sampler == "length_grouped" else "random",
-        # The checkpointed layers' inputs wait in pinned host memory (TRL's activation offloading, copies on a
-        # stream of their own) when the plan says they take a real share of the GPU (preflight.choose_offload).
-        activation_offloading=plan.offload_activations and gradient_checkpointing,
-        **fsdp_settings(plan),
-        **tracking.sft_fields(paths, report_to=report_to, eval_steps=eval_steps, micro_batch=micro_batch),
     )
-    config.freetune_batching = plan.batching  # read by train(); TRL's own padding_free refuses max_length
-    config.freetune_sampler = plan.sampler  # read by fast.trainer_class
-    config.freetune_lora_kernel = plan.lora_kernel  # read by train(), once the adapter is attached
-    config.freetune_compile = plan.compile
-    config.freetune_policy = plan.policy  # which variable-length attention kernels train() may probe
-    config.freetune_loss_tile_tokens = plan.loss_tile_tokens
-    if plan.device == "cuda" and torch.cuda.device_count() > 1 and "LOCAL_RANK" not in os.environ:
-        # One process that sees two GPUs makes the Trainer wrap the model in nn.DataParallel, which SFTTrainer
-        # refuses. Inline training uses one GPU; the Kaggle notebook's torchrun cell uses them all.
-        _ = config.device
-        config._n_gpu = 1
-        print0(f"{torch.cuda.device_count()} GPUs visible: this inline run uses GPU 0 only. "
-               f"The torchrun (DDP) cell trains on all of them.")
-    return config
 
 
 def fsdp_settings(plan: Plan) -> dict:
@@ -226,44 +250,6 @@ class ProgressPrinter:
         return _Printer()
 
 
-# fp16 AMP skips a step whose gradients overflow (the weights stay as they were) and halves its loss scale, from
-# 65,536: a few such steps at the start are the scale finding its level. A scale fallen this far (16 halvings)
-# means fp16 cannot hold these gradients at all.
-MIN_FP16_LOSS_SCALE = 1.0
-
-
-class NonFiniteGuard:
-    """A TrainerCallback that stops the run at the first log step whose loss (or gradient norm) is NaN or inf, and
-    keeps that step from being saved. The values are the ones the log step already copied to the host: no sync of
-    its own (the Trainer's per-micro-batch NaN filter is off for that reason, see make_config). Under fp16 AMP an
-    infinite gradient norm is a skipped step, a problem only once the loss scale has collapsed. `.reason` says
-    what it saw (None: nothing)."""
-
-    def __new__(cls):
-        from transformers import TrainerCallback
-
-        class _Guard(TrainerCallback):
-            reason: str | None = None
-
-            def on_log(self, args, state, control, logs=None, optimizer=None, **kwargs):
-                logs = logs or {}
-                loss, norm = logs.get("loss"), logs.get("grad_norm")
-                bad = [f"the loss is {loss}"] if loss is not None and not math.isfinite(loss) else []
-                if norm is not None and not math.isfinite(norm):
-                    scaler = getattr(optimizer, "scaler", None)  # accelerate's AcceleratedOptimizer under fp16
-                    scale = scaler.get_scale() if scaler is not None and scaler.is_enabled() else None
-                    if scale is None or scale < MIN_FP16_LOSS_SCALE:
-                        bad.append(f"the gradient norm is {norm}" +
-                                   (f" with fp16's loss scale down to {scale:g}" if scale is not None else ""))
-                if bad and self.reason is None:
-                    self.reason = f"at step {state.global_step} " + " and ".join(bad)
-                    control.should_training_stop = True
-                    control.should_save = False  # the log comes before the save of the same step
-                return control
-
-        return _Guard()
-
-
 def nonfinite_advice(problem: str, config, checkpoints_dir: str) -> str:
     """What stopped the run, what was kept, and what to change."""
     kept = checkpoint.latest_complete(checkpoints_dir)
@@ -277,9 +263,10 @@ def nonfinite_advice(problem: str, config, checkpoints_dir: str) -> str:
             f"run_name (a resume goes on with the learning rate its checkpoint was saved with).")
 
 
-def train(model, tokenizer, train_dataset, config, *, paths: Paths, eval_dataset=None, resume: bool = True,
+def train(model, tokenizer, train_dataset, config, *, plan: Plan, paths: Paths, eval_dataset=None, resume: bool = True,
           extra_callbacks=(), time_budget_min: float = 0, hub_checkpoint_repo: str = "", hub_api=None):
-    """Run SFTTrainer, save the adapter (main process), write the summary; returns the summary dict.
+    """Run freetune's trainer (freetune.trainer.FreetuneTrainer) as `plan` says, save the adapter (main process),
+    write the summary; returns the summary dict. config: make_config's, for the same plan.
 
     resume: continue from the newest complete checkpoint of this run (paths.checkpoints, or the Hub).
     time_budget_min: stop and save after this many minutes; 0 = the platform's session limit minus a margin
@@ -290,19 +277,11 @@ def train(model, tokenizer, train_dataset, config, *, paths: Paths, eval_dataset
     hub_api: a huggingface_hub.HfApi-like object to use instead of a real one (tests).
     """
     import torch
-    from trl import SFTTrainer
 
-    if len(train_dataset) == 0:
-        raise FreetuneError("No training rows left (after cleaning). Check the data set and the audit above.")
-    if config.eval_strategy == "no":
-        eval_dataset = None  # not evaluated: not tokenised either
-    elif not eval_dataset:
-        raise FreetuneError(f"eval_steps={config.eval_steps} needs held-out rows to evaluate: set eval_rows (e.g. 16), "
-                            f"or eval_steps to 0.")
-    ctx = context()
+    eval_dataset = _rows_to_train(train_dataset, eval_dataset, config)
     budget_s, budget_text = checkpoint.time_budget(time_budget_min, paths.platform)
     hub = None
-    if hub_checkpoint_repo and ctx.is_main:  # only the main process talks to the Hub
+    if hub_checkpoint_repo and context().is_main:  # only the main process talks to the Hub
         hub = checkpoint.HubSync.connect(hub_checkpoint_repo, run_name=Path(paths.run_dir).name,
                                          keep=config.save_total_limit, api=hub_api)
     if not resume and checkpoint.latest_complete(paths.checkpoints) is not None:
@@ -312,31 +291,17 @@ def train(model, tokenizer, train_dataset, config, *, paths: Paths, eval_dataset
     guard = NonFiniteGuard()
     print0(f"Preparing {len(train_dataset):,} rows for training (tokenising, masking what is not trained on, "
            f"cutting to max_length) ...")
-    # fast.trainer_class: TRL's per-micro-batch metric syncs happen once per log step instead.
-    trainer = checkpoint.trainer_class(fast.trainer_class(SFTTrainer))(
+    from freetune.trainer import FreetuneTrainer
+
+    trainer = FreetuneTrainer(
         model=model, args=config, train_dataset=train_dataset, eval_dataset=eval_dataset, processing_class=tokenizer,
         callbacks=[adapter_dtype_guard(),  # LoRA stays fp32: TRL casts it to bf16, fatal on a T4
                    ProgressPrinter(config.max_steps), guard, tracking.overfit_watch(), stopper, *extra_callbacks],
-        hub=hub)
+        plan=plan, hub=hub)
     from transformers.trainer_callback import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)  # it prints raw log dicts; ProgressPrinter prints one clean line
-    if eval_dataset is not None:
-        bnb_cpu.keep_training_layout(trainer.model)  # evaluations between steps must not repack it for inference
-    fast.apply_batching(trainer, getattr(config, "freetune_batching", "padded"))
-    if getattr(config, "freetune_sampler", "") == "rank_balanced" and trainer.args.world_size > 1:
-        print0(f"Sampler: each optimizer step's rows are dealt to the {trainer.args.world_size} ranks by length, "
-               f"equal tokens per rank (freetune.fast.RankBalancedSampler).")
-    if getattr(config, "freetune_lora_kernel", "peft") == "fused":
-        fused, seen = kernels.use_fused_lora(trainer.model)
-        print0(f"LoRA kernel: fused on {fused} of {seen} LoRA layers (freetune.kernels).")
-    set_loss_tile_tokens(getattr(config, "freetune_loss_tile_tokens", 0))
-    if torch.cuda.is_available() and getattr(config, "freetune_batching", "") == "padding_free":
-        # Probed now, eagerly, in this process (a torchrun rank too): the attention layers only read the result.
-        fast.varlen_works(torch.cuda.current_device(), getattr(config, "freetune_policy", "ampere"))
-    if getattr(config, "freetune_compile", False):
-        compiled = kernels.compile_layers(trainer.model)
-        print0(f"torch.compile: {compiled} decoder layers; the first steps are slower while they compile.")
+    _speed_up(trainer, plan)
     print0(f"Checkpoints: every {config.save_steps} steps, the last {config.save_total_limit} kept, in "
            f"{paths.checkpoints}. Time budget: {budget_text}.")
     resume_from = checkpoint.agree_on_resume(paths.checkpoints, config.max_steps, hub) if resume else None
@@ -354,31 +319,76 @@ def train(model, tokenizer, train_dataset, config, *, paths: Paths, eval_dataset
             hub.close()
         kernels.uncompile_layers(trainer.model)  # the model may go on to generate: eager layers for that
     wall = time.time() - start
+    _check_trained(trainer, guard, config, paths)
+    summary = _summary(trainer, result, wall, stopper.reason, resume_from, paths)
+    _save(trainer, tokenizer, summary, paths, sharded=bool(getattr(config, "fsdp", None)))
+    if stopper.reason:
+        print0(f"Stopped early at step {summary['steps']} of {summary['max_steps']} ({stopper.reason}). The adapter so "
+               f"far is in {paths.adapter}; run this again with the same run_name to continue from the checkpoint.")
+    return summary
+
+
+def _rows_to_train(train_dataset, eval_dataset, config):
+    """The held-out rows to evaluate (None when the config does not evaluate); refuses an empty training set."""
+    if len(train_dataset) == 0:
+        raise FreetuneError("No training rows left (after cleaning). Check the data set and the audit above.")
+    if config.eval_strategy == "no":
+        return None  # not evaluated: not tokenised either
+    if not eval_dataset:
+        raise FreetuneError(f"eval_steps={config.eval_steps} needs held-out rows to evaluate: set eval_rows (e.g. 16), "
+                            f"or eval_steps to 0.")
+    return eval_dataset
+
+
+def _speed_up(trainer, plan: Plan) -> None:
+    """What the plan chose beyond the Trainer's settings: the fused LoRA kernel, the loss head's tiles, the attention
+    kernel (probed now), compiled decoder layers."""
+    import torch
+
+    if plan.sampler == "rank_balanced" and trainer.args.world_size > 1:
+        print0(f"Sampler: each optimizer step's rows are dealt to the {trainer.args.world_size} ranks by length, "
+               f"equal tokens per rank (freetune.sampler.RankBalancedSampler).")
+    if plan.lora_kernel == "fused":
+        fused, seen = kernels.use_fused_lora(trainer.model)
+        print0(f"LoRA kernel: fused on {fused} of {seen} LoRA layers (freetune.kernels).")
+    overrides.set_loss_tile_tokens(plan.loss_tile_tokens)
+    if torch.cuda.is_available() and plan.batching == "padding_free":
+        # Probed now, eagerly, in this process (a torchrun rank too): the attention layers only read the result.
+        fast.varlen_works(torch.cuda.current_device(), plan.policy)
+    if plan.compile:
+        compiled = kernels.compile_layers(trainer.model)
+        print0(f"torch.compile: {compiled} decoder layers; the first steps are slower while they compile.")
+
+
+def _check_trained(trainer, guard, config, paths: Paths) -> None:
+    """Raise when the numbers overflowed; compare the replicas' adapters (DDP)."""
     problem = guard.reason or trainer.nonfinite_weights_at
     if problem is None and not checkpoint.weights_finite(trainer.model):  # overflowed after the last log step
         problem = f"after step {trainer.state.global_step} the adapter's weights hold NaN or inf"
     if problem:
         raise FreetuneError(nonfinite_advice(problem, config, paths.checkpoints))
-    sharded = bool(getattr(config, "fsdp", None))
-    if sharded:
+    if getattr(config, "fsdp", None):
         # FSDP keeps one copy of the adapter, split over the ranks: there are no replicas to compare (each rank's
         # shard differs by design), and gathering the whole model to compare would undo the sharding.
         print0("FSDP: one adapter, sharded over the ranks; it is gathered to rank 0 for the save below.")
     else:
         check_replicas_agree(trainer.model)
 
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    tokens = max((h.get("num_tokens", 0) for h in trainer.state.log_history), default=0)  # the whole run's
+
+def _summary(trainer, result, wall: float, stopped: str | None, resume_from, paths: Paths) -> dict:
+    history = trainer.state.log_history
+    losses = [h["loss"] for h in history if "loss" in h]
+    tokens = max((h.get("num_tokens", 0) for h in history), default=0)  # the whole run's
     # This session's share: after a resume the Trainer's training_loss divides this session's loss sum by every
     # step of the run, and the run's tokens over this session's time would overstate the rate.
     steps_here = trainer.state.global_step - trainer.resumed_at
     tokens_here = tokens - trainer.tokens_at_resume
     _, peak, where = memory_gib()
-    summary = {
+    return {
         "steps": trainer.state.global_step,
         "max_steps": trainer.state.max_steps,
         "steps_this_session": steps_here,
-        "stopped_early": stopper.reason,  # None, or why it stopped before max_steps (a rerun continues)
+        "stopped_early": stopped,  # None, or why it stopped before max_steps (a rerun continues)
         "resumed_from": Path(resume_from).name if resume_from else None,
         "first_loss": losses[0] if losses else None,
         "last_loss": losses[-1] if losses else None,
@@ -391,8 +401,12 @@ def train(model, tokenizer, train_dataset, config, *, paths: Paths, eval_dataset
         "peak_memory_of": where,
         "world_size": trainer.args.world_size,
         "adapter": paths.adapter,
-        **tracking.eval_summary(trainer.state.log_history),
+        **tracking.eval_summary(history),
     }
+
+
+def _save(trainer, tokenizer, summary: dict, paths: Paths, sharded: bool) -> None:
+    """The adapter, the tokenizer, the log history and the summary, written by the main process."""
     if sharded or trainer.is_world_process_zero():
         # Under FSDP gathering the adapter is a collective: every rank takes part, the Trainer writes on rank 0 only.
         trainer.save_model(paths.adapter)
@@ -401,28 +415,6 @@ def train(model, tokenizer, train_dataset, config, *, paths: Paths, eval_dataset
         reports = Path(paths.reports)
         (reports / HISTORY_FILE).write_text(json.dumps(trainer.state.log_history, indent=1))
         (reports / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, sort_keys=True))
-    if stopper.reason:
-        print0(f"Stopped early at step {summary['steps']} of {summary['max_steps']} ({stopper.reason}). The adapter so "
-               f"far is in {paths.adapter}; run this again with the same run_name to continue from the checkpoint.")
-    if WriteTracer.active is not None:
-        WriteTracer.active.report(context().rank, paths.run_dir)
-    return summary
-
-
-def set_loss_tile_tokens(tokens: int) -> None:
-    """Tokens per tile of TRL's chunked loss head (trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE, read at every call;
-    written against TRL 1.16). Each tile holds tokens x 32,768 logits in the compute dtype: 256 MiB at TRL's 4,096
-    tokens, a real share of a 4 GB card; smaller tiles only mean more, smaller matmuls. 0 keeps TRL's."""
-    if tokens:
-        import trl.kernels.chunked_logprob as chunked
-
-        chunked.TOKEN_CHUNK_SIZE = int(tokens)
-
-
-def latest_checkpoint(checkpoints_dir: str) -> str | None:
-    """The newest complete checkpoint (one whose completion marker vouches for every file), or None."""
-    found = checkpoint.latest_complete(checkpoints_dir)
-    return str(found) if found else None
 
 
 def show_summary(paths: Paths) -> dict:

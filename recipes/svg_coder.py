@@ -153,8 +153,7 @@ freetune.data.save_prepared(paths.data, train_rows, held_out)
 dist = freetune.distributed.init()
 train_rows, held_out = freetune.data.load_prepared(paths.data)
 tokenizer = freetune.model.load_tokenizer(model_id, chat_template=chat_template)
-model = freetune.model.load_base_model(model_id, plan, local_rank=dist.local_rank,
-                                       gradient_checkpointing=plan.gradient_checkpointing)
+model = freetune.model.load_base_model(model_id, plan, local_rank=dist.local_rank)
 model, trainable, total = freetune.model.attach_lora(model, rank=lora_rank, alpha=lora_alpha,
                                                      dropout=lora_dropout, target_modules=lora_targets, seed=seed)
 freetune.distributed.print_layout(dist, plan.micro_batch, plan.grad_accum, trainable, total)
@@ -165,14 +164,8 @@ freetune.distributed.print_layout(dist, plan.micro_batch, plan.grad_accum, train
 # Checkpoints land in the run folder every `save_steps`; running this again resumes from the newest one.
 
 # %% tags=["train"]
-config = freetune.train.make_config(
-    paths, plan, max_steps=max_steps, micro_batch=plan.micro_batch, grad_accum=plan.grad_accum,
-    learning_rate=learning_rate, max_length=plan.max_length, optimizer=optimizer, max_grad_norm=max_grad_norm,
-    logging_steps=logging_steps, save_steps=save_steps, gradient_checkpointing=plan.gradient_checkpointing,
-    seed=seed, assistant_only="messages" in train_rows.column_names,
-    eval_steps=eval_steps, report_to=report_to,
-)
-summary = freetune.train.train(model, tokenizer, train_rows, config, paths=paths,
+config = freetune.train.make_config(paths, plan, params, assistant_only="messages" in train_rows.column_names)
+summary = freetune.train.train(model, tokenizer, train_rows, config, plan=plan, paths=paths,
                                time_budget_min=time_budget_min, hub_checkpoint_repo=hub_checkpoint_repo,
                                eval_dataset=held_out)
 del model  # free the GPU for the evaluation below

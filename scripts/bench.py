@@ -295,8 +295,7 @@ def run_one(job: dict) -> dict:
     cuda = torch.cuda.is_available()
     warmup, measured = job["warmup"], job["steps"]
     run_dir = Path(job["work"]) / f"{job['mode']}-{job['run']}-{job['world']}"
-    paths = Paths(platform="local", run_dir=str(run_dir), checkpoints=f"{run_dir}/checkpoints",
-                  adapter=f"{run_dir}/adapter", data=f"{run_dir}/data", reports=f"{run_dir}/reports")
+    paths = Paths.under(run_dir)
     if ctx.is_main:
         # A fresh folder per run: the checkpoints an earlier run left there would stop train() ("holds checkpoints
         # of an earlier run"), as it must for a user's run, not for a benchmark repeated on a warm machine.
@@ -421,7 +420,8 @@ def run_one(job: dict) -> dict:
         torch.backends.cuda.enable_flash_sdp(False)
         torch.backends.cuda.enable_cudnn_sdp(False)
     if job["run"].startswith("freetune"):
-        freetune.train.train(model, tokenizer, dataset, config, paths=paths, resume=False, extra_callbacks=callbacks)
+        freetune.train.train(model, tokenizer, dataset, config, plan=plan, paths=paths, resume=False,
+                             extra_callbacks=callbacks)
         history = json.loads((run_dir / "reports" / "log_history.json").read_text()) if ctx.is_main else []
     else:
         # The plain stack: TRL's trainer, collator and loss as they come. The fp32 LoRA guard stays: without it
@@ -563,8 +563,6 @@ def apply_ddp_experiments(experiments: dict, config) -> list:
                        train()'s replica check still compares the ranks' weights at the end."""
     from transformers import Trainer, TrainerCallback
 
-    import freetune.fast
-
     if experiments.get("static_graph"):
         config.ddp_static_graph = True
     if experiments.get("bucket_mb"):
@@ -581,26 +579,24 @@ def apply_ddp_experiments(experiments: dict, config) -> list:
 
         Trainer._build_accelerator_args = with_bucket_view
     if experiments.get("flat_sync"):
-        make_class = freetune.fast.trainer_class  # this worker process runs one configuration: patched for it only
+        from freetune.trainer import FreetuneTrainer
 
-        def flat_sync_trainer_class(base):
-            class FlatSync(make_class(base)):
-                def training_step(self, model, inputs, num_items_in_batch=None):
-                    if not hasattr(model, "no_sync"):  # not wrapped in DDP (one process)
-                        return super().training_step(model, inputs, num_items_in_batch)
-                    with model.no_sync():
-                        loss = super().training_step(model, inputs, num_items_in_batch)
-                    if self.accelerator.sync_gradients:  # the step's last micro-batch
-                        params = [p for p in model.parameters() if p.requires_grad]
-                        if self.state.global_step == 0:
-                            print(f"flat_sync: the step's gradients ({len(params)} tensors) averaged in one "
-                                  f"all-reduce; DDP's reducer idle", flush=True)
-                        flat_all_reduce(params)
-                    return loss
+        step = FreetuneTrainer.training_step  # this worker process runs one configuration: patched for it only
 
-            return FlatSync
+        def flat_sync_step(self, model, inputs, num_items_in_batch=None):
+            if not hasattr(model, "no_sync"):  # not wrapped in DDP (one process)
+                return step(self, model, inputs, num_items_in_batch)
+            with model.no_sync():
+                loss = step(self, model, inputs, num_items_in_batch)
+            if self.accelerator.sync_gradients:  # the step's last micro-batch
+                params = [p for p in model.parameters() if p.requires_grad]
+                if self.state.global_step == 0:
+                    print(f"flat_sync: the step's gradients ({len(params)} tensors) averaged in one "
+                          f"all-reduce; DDP's reducer idle", flush=True)
+                flat_all_reduce(params)
+            return loss
 
-        freetune.fast.trainer_class = flat_sync_trainer_class
+        FreetuneTrainer.training_step = flat_sync_step
     callbacks = []
     if experiments.get("ddp_split"):
         class SplitForDDP(TrainerCallback):

@@ -112,8 +112,7 @@ def worker(args) -> int:
     record.update(layout=plan.layout, layout_why=plan.reasons.get("layout"),
                   estimate_gib=plan.memory.total_gib if plan.memory else None, plan_warnings=plan.warnings)
     run_dir = Path(args.run_dir)
-    paths = Paths(platform="local", run_dir=str(run_dir), checkpoints=str(run_dir / "checkpoints"),
-                  adapter=str(run_dir / "adapter"), data=str(run_dir / "data"), reports=str(run_dir / "reports"))
+    paths = Paths.under(run_dir)
     if ctx.is_main:
         paths.make()
     freetune.distributed.barrier()
@@ -133,7 +132,8 @@ def worker(args) -> int:
             paths, plan, max_steps=args.steps, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
             learning_rate=1e-4, max_length=args.max_length, optimizer="adamw_torch", logging_steps=1,
             save_steps=args.steps, save_total_limit=2, gradient_checkpointing=True, seed=0)
-        summary = freetune.train.train(model, tokenizer, synthetic_rows(256, args.max_length), config, paths=paths)
+        summary = freetune.train.train(model, tokenizer, synthetic_rows(256, args.max_length), config, plan=plan,
+                                       paths=paths)
         history = json.loads((run_dir / "reports" / "log_history.json").read_text()) if ctx.is_main else []
         record.update(status="trained", steps=summary["steps"], resumed_from=summary["resumed_from"],
                       first_loss=summary["first_loss"], last_loss=summary["last_loss"], wall_s=summary["wall_s"],

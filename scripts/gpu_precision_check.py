@@ -128,8 +128,7 @@ def train_steps(model_dir: str, plan, tokenizer, dataset, *, steps: int, lora_ra
         model, trainable, total = ft_model.attach_lora(model, rank=lora_rank, alpha=2 * lora_rank, dropout=0.05)
         result["trainable_params"] = trainable
         result["dtypes"] = dtypes_of(model)
-        paths = Paths(platform="local", run_dir=str(work), checkpoints=str(work / "checkpoints"),
-                      adapter=str(work / "adapter"), data=str(work / "data"), reports=str(work / "reports")).make()
+        paths = Paths.under(work).make()
         config = ft_train.make_config(
             paths, plan, max_steps=steps, micro_batch=micro_batch, grad_accum=grad_accum,
             learning_rate=learning_rate, max_length=max_length, optimizer=optimizer, max_grad_norm=max_grad_norm,

@@ -41,6 +41,7 @@ def prepare(recipe: str, parameters: dict, out: Path, *, nnodes: int = 1, nproc:
 
     from build_notebooks import parameter_names
     from freetune.launch import write_job
+    from freetune.preflight import for_world
 
     notebook = ROOT / "notebooks" / "kaggle" / f"{recipe}.ipynb"
     if not notebook.exists():
@@ -72,12 +73,8 @@ def prepare(recipe: str, parameters: dict, out: Path, *, nnodes: int = 1, nproc:
     if script is None:
         raise SystemExit(f"{notebook} has no cell tagged train-script")
     plan, paths = namespace["plan"], namespace["paths"]
-    world = nnodes * nproc
-    if world > plan.world_size:
-        # The notebook's preflight saw this host only; the ranks of the whole job share each optimizer step.
-        plan.reasons["layout"] = (f"{nnodes} hosts x {nproc} process(es) = {world} ranks through torchrun's c10d "
-                                  f"rendezvous; " + plan.reasons.get("layout", ""))
-        plan.world_size = world
+    # The notebook's preflight saw this host only; the ranks of the whole job share each optimizer step.
+    plan = for_world(plan, nnodes * nproc, hosts=nnodes)
     job = write_job(Path(paths.run_dir) / "train_ddp.json", {n: namespace[n] for n in names}, paths, plan)
     return script, job
 

@@ -15,6 +15,13 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def trace_writes(run_dir) -> dict:
+    """Environment under which every torchrun rank reports, at exit, the files it wrote under run_dir
+    (tests/trace_writes/sitecustomize.py): what proves that only rank 0 writes."""
+    path = os.pathsep.join(filter(None, [str(REPO / "tests" / "trace_writes"), os.environ.get("PYTHONPATH")]))
+    return {"FREETUNE_TRACE_WRITES": str(run_dir), "PYTHONPATH": path}
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     from freetune.fixtures import cached_tiny_model
@@ -65,7 +72,7 @@ def executed_notebook(tmp_path_factory):
         if (recipe, target) not in cache:
             out = tmp_path_factory.mktemp(f"{recipe}-{target}")
             params = [("ddp_processes", "2")] if target == "kaggle" else []
-            env = {"FREETUNE_TRACE_WRITES": "1"} if target == "kaggle" else None
+            env = trace_writes(out / "runs" / target) if target == "kaggle" else None
             cache[recipe, target] = (*run_recipe(recipe, target, out, *params, env=env), out)
         return cache[recipe, target]
 

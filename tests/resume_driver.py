@@ -23,7 +23,7 @@ ROWS = 48
 TOKEN_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 # What a forkserver imports once for tests/test_resume.py (see forked_main).
 PRELOAD = ["torch", "transformers.trainer", "trl.trainer.sft_trainer", "peft", "bitsandbytes", "datasets",
-           "transformers.models.qwen2.modeling_qwen2", "freetune.model", "freetune.train", "freetune.checkpoint"]
+           "transformers.models.qwen2.modeling_qwen2", "freetune.model", "freetune.train", "freetune.trainer"]
 
 
 def synthetic_rows():
@@ -100,7 +100,7 @@ def arm_self_kill(phase: str, nth: int) -> None:
     import transformers.trainer as hf_trainer
     from transformers.trainer_callback import TrainerState
 
-    import freetune.checkpoint as ckpt
+    import freetune.checkpoint.marker as ckpt
 
     def die():
         print(f"driver: self-kill at {phase} #{nth}", flush=True)
@@ -152,8 +152,7 @@ def main() -> None:
         freetune.checkpoint.HubSync.retry_delays_s = tuple(job["hub_retry_s"])
 
     run_dir = job["run_dir"]
-    paths = Paths(platform="local", run_dir=run_dir, checkpoints=f"{run_dir}/checkpoints", adapter=f"{run_dir}/adapter",
-                  data=f"{run_dir}/data", reports=f"{run_dir}/reports")
+    paths = Paths.under(run_dir)
     if ctx.is_main:
         paths.make()
     plan = Plan(device="cpu", compute_dtype="float32", mixed_precision="no", attn_implementation="sdpa",
@@ -172,7 +171,7 @@ def main() -> None:
         gradient_checkpointing=True, seed=0)
     hub_api = LocalHub(job["hub_root"]) if job.get("hub_root") else None
     print("driver: training starts", flush=True)
-    summary = freetune.train.train(model, tokenizer, synthetic_rows(), config, paths=paths,
+    summary = freetune.train.train(model, tokenizer, synthetic_rows(), config, plan=plan, paths=paths,
                                    time_budget_min=job.get("time_budget_min", 0),
                                    hub_checkpoint_repo="tester/ckpts" if hub_api else "", hub_api=hub_api)
     print("driver: summary " + json.dumps(summary), flush=True)

@@ -3,7 +3,7 @@
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/sampler_driver.py MODEL OUT_DIR
 
 The plan (make_plan on this machine, under torchrun), its config (freetune.train.make_config) and the trainer
-class freetune.train.train uses build the training DataLoader; each rank walks one epoch of it and writes
+freetune.train.train uses (freetune.trainer.FreetuneTrainer) build the training DataLoader; each rank walks one epoch of it and writes
 OUT_DIR/rank<R>.json: the plan's sampler and, per micro-batch, the row ids it got and their real token counts.
 Row i of the data set starts with token 10 + i, so the ids are read back from the batches themselves.
 """
@@ -24,17 +24,15 @@ def row_lengths() -> list[int]:
 def main() -> None:
     model_dir, out_dir = sys.argv[1], Path(sys.argv[2])
     from datasets import Dataset
-    from trl import SFTTrainer
 
     import freetune
-    from freetune import fast
     from freetune.platform import Paths
     from freetune.preflight import make_plan
+    from freetune.trainer import FreetuneTrainer
 
     ctx = freetune.distributed.init(timeout_s=60)
     run = out_dir / "run"
-    paths = Paths(platform="local", run_dir=str(run), checkpoints=f"{run}/checkpoints", adapter=f"{run}/adapter",
-                  data=f"{run}/data", reports=f"{run}/reports")
+    paths = Paths.under(run)
     if ctx.is_main:
         paths.make()
     freetune.distributed.barrier()
@@ -45,8 +43,7 @@ def main() -> None:
     dataset = Dataset.from_dict({"input_ids": [[10 + i] + [5] * (n - 1) for i, n in enumerate(row_lengths())]})
     config = freetune.train.make_config(paths, plan, max_steps=-1, micro_batch=MICRO_BATCH, grad_accum=GRAD_ACCUM,
                                         learning_rate=1e-4, max_length=64, optimizer="adamw_torch", seed=0)
-    trainer = fast.trainer_class(SFTTrainer)(model=model, args=config, train_dataset=dataset,
-                                              processing_class=tokenizer)
+    trainer = FreetuneTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer, plan=plan)
     batches = []
     for batch in trainer.get_train_dataloader():
         ids = batch["input_ids"]

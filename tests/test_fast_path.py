@@ -31,11 +31,7 @@ def varied_rows():
 def run_paths(root, name):
     from freetune.platform import Paths
 
-    run = root / name
-    paths = Paths(platform="local", run_dir=str(run), checkpoints=f"{run}/checkpoints", adapter=f"{run}/adapter",
-                  data=f"{run}/data", reports=f"{run}/reports")
-    paths.make()
-    return paths
+    return Paths.under(root / name).make()
 
 
 def losses(history):
@@ -46,7 +42,7 @@ def test_padding_free_path_matches_the_plain_loss_and_computes_no_padding(tiny_m
     from trl import SFTTrainer
 
     import freetune
-    from freetune import fast
+    from freetune import batching, overrides
     from freetune.model import adapter_dtype_guard
     from freetune.preflight import Plan
 
@@ -73,8 +69,9 @@ def test_padding_free_path_matches_the_plain_loss_and_computes_no_padding(tiny_m
     plain.train()
     plain_losses = losses(plain.state.log_history)
 
-    paths, model, config = model_and_config(Plan(**common, batching="padding_free"), "fast")
-    summary = freetune.train.train(model, tokenizer, varied_rows(), config, paths=paths, resume=False)
+    fast_plan = Plan(**common, batching="padding_free")
+    paths, model, config = model_and_config(fast_plan, "fast")
+    summary = freetune.train.train(model, tokenizer, varied_rows(), config, plan=fast_plan, paths=paths, resume=False)
     fast_history = json.loads((tmp_path / "fast" / "reports" / "log_history.json").read_text())
     fast_losses = losses(fast_history)
 
@@ -98,14 +95,14 @@ def test_padding_free_path_matches_the_plain_loss_and_computes_no_padding(tiny_m
     assert math.isclose(fast_entropy[0], plain_entropy[0], rel_tol=1e-3)
 
     # The same batches through both collators: the plain one pads, the padding-free one does not.
-    padded = [fast.padding_stats(b) for b in plain.get_train_dataloader()]
-    fast.apply_batching(plain, "padding_free")
+    padded = [batching.padding_stats(b) for b in plain.get_train_dataloader()]
+    overrides.apply_batching(plain, "padding_free")
     free_batches = list(plain.get_train_dataloader())
-    free = [fast.padding_stats(b) for b in free_batches]
+    free = [batching.padding_stats(b) for b in free_batches]
     assert sum(s["pad_tokens"] for s in padded) > 0
     # Padding-free pads only to a multiple of 8 tokens (one graph for compiled layers), with one extra row that
     # trains nothing and that attention keeps apart.
-    assert all(s["computed_tokens"] % fast.PAD_TO == 0 and s["pad_tokens"] < fast.PAD_TO for s in free)
+    assert all(s["computed_tokens"] % batching.PAD_TO == 0 and s["pad_tokens"] < batching.PAD_TO for s in free)
     assert any(s["pad_tokens"] > 0 for s in free)
     for b, s in zip(free_batches, free):
         tail = slice(s["real_tokens"], None)

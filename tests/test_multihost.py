@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, trace_writes
 from proctree import process_tree, send_signal
 
 pytestmark = pytest.mark.slow
@@ -55,7 +55,7 @@ class Host:
                "--is-host", "yes" if node_rank == 0 else "no", "--out", str(self.out), "--run"]
         for name, value in params:
             cmd += ["-p", name, value]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "FREETUNE_TRACE_WRITES": "1",
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **trace_writes(self.run_dir),
                "FREETUNE_COLLECTIVE_TIMEOUT_S": "60"}
         self._file = open(self.log, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._file, stderr=subprocess.STDOUT, env=env,

@@ -38,8 +38,7 @@ def run(tmp_path, model_dir, *, poison_at: int, logging_steps: int, save_steps: 
     import transformers
 
     run_dir = str(tmp_path / "run")
-    paths = Paths(platform="local", run_dir=run_dir, checkpoints=f"{run_dir}/checkpoints",
-                  adapter=f"{run_dir}/adapter", data=f"{run_dir}/data", reports=f"{run_dir}/reports").make()
+    paths = Paths.under(run_dir).make()
     plan = Plan(device="cpu", compute_dtype="float32", mixed_precision="no", attn_implementation="sdpa")
     transformers.set_seed(0)
     model = freetune.model.load_base_model(str(model_dir), plan)
@@ -49,7 +48,7 @@ def run(tmp_path, model_dir, *, poison_at: int, logging_steps: int, save_steps: 
         optimizer="adamw_torch", logging_steps=logging_steps, save_steps=save_steps, save_total_limit=2, seed=0)
     with pytest.raises(FreetuneError) as caught:
         freetune.train.train(model, freetune.model.load_tokenizer(str(model_dir)), synthetic_rows(), config,
-                             paths=paths, extra_callbacks=[poison_after(poison_at)])
+                             plan=plan, paths=paths, extra_callbacks=[poison_after(poison_at)])
     return str(caught.value), paths
 
 

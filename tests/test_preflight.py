@@ -261,3 +261,17 @@ def test_replanned_for_the_datas_longest_row_a_t4_drops_checkpointing():
     read_back = Plan(**{k: v for k, v in json.loads(json.dumps(dataclasses.asdict(shaped))).items()
                         if k != "memory"})
     assert preflight.replan(read_back, T4, longest_row=420).one_line() == data.one_line()
+
+
+def test_for_world_re_decides_the_sampler_and_counts_the_ranks_of_every_host():
+    # The notebook planned for its own machine (one T4); the job that trains holds more ranks.
+    one = make_plan(T4, model_shape="qwen2.5-1.5b")
+    assert one.sampler != "rank_balanced" and one.world_size == 1
+    two_ranks = preflight.for_world(one, 2)
+    assert two_ranks.sampler == "rank_balanced" and "2 ranks" in two_ranks.reasons["sampler"]
+    assert two_ranks.world_size == 1 and two_ranks.reasons["layout"] == one.reasons["layout"]  # one host: as planned
+    hosts = preflight.for_world(one, 4, hosts=2)
+    assert hosts.world_size == 4 and hosts.reasons["layout"].startswith(
+        "2 hosts x 2 process(es) = 4 ranks through torchrun's c10d rendezvous; ")
+    assert one.sampler != "rank_balanced" and one.world_size == 1  # a copy: the notebook's plan stays as shown
+    assert preflight.for_world(one, 1).sampler == one.sampler

@@ -26,7 +26,7 @@ def sft_lengths(n: int, seed: int = 0) -> list[int]:
 
 def walk(lengths, ranks, grad_accum, micro_batch, group_by_length=False, epoch=0):
     """Every rank's micro-batches for one epoch, as the DataLoader would ask for them: [rank][k] -> indices."""
-    from freetune.fast import _rank_balanced_sampler_class
+    from freetune.sampler import _rank_balanced_sampler_class
 
     out = []
     for rank in range(ranks):

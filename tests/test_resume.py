@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 import resume_driver
+from conftest import trace_writes
 from proctree import process_tree, send_signal
 
 DRIVER = Path(resume_driver.__file__)
@@ -357,7 +358,7 @@ def test_torchrun_two_processes_killed_and_rerun_matches_an_uninterrupted_run(tm
     events = kill_events(random.Random(11), ddp=True)
     hub = tmp_path / "hub"
     outcomes, _, final = survive(tmp_path, tiny_model_dir, events, ddp=True, steps=DDP_STEPS,
-                                 env={"HF_TOKEN": TOKEN, "FREETUNE_TRACE_WRITES": "1"},
+                                 env={"HF_TOKEN": TOKEN, **trace_writes(tmp_path / "run")},
                                  hub_root=str(hub), hub_retry_s=[0.1])
     assert sum(o[1].startswith("killed") for o in outcomes) >= 4
     assert any(o[1] == "killed-mid-save" for o in outcomes), outcomes

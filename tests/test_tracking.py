@@ -33,7 +33,7 @@ def runs(tiny_model_dir, tmp_path_factory):
     from trl import SFTTrainer
 
     import freetune
-    from freetune import bnb_cpu
+    from freetune import overrides
     from freetune.model import adapter_dtype_guard
     from freetune.preflight import Plan
 
@@ -53,15 +53,16 @@ def runs(tiny_model_dir, tmp_path_factory):
         return paths, model, config
 
     _, model, config = model_and_config(Plan(**common, batching="padded"), "plain", "none")
-    bnb_cpu.keep_training_layout(model)  # as train() does: else an AVX-512 CPU cannot train after an evaluation
+    overrides.keep_training_layout(model)  # as train() does: else an AVX-512 CPU cannot train after an evaluation
     plain = SFTTrainer(model=model, args=config, train_dataset=rows(16), eval_dataset=rows(8, offset=100),
                        processing_class=tokenizer, callbacks=[adapter_dtype_guard()])
     plain.train()
-    paths, model, config = model_and_config(Plan(**common, batching="padding_free"), "fast", "tensorboard")
+    fast = Plan(**common, batching="padding_free")
+    paths, model, config = model_and_config(fast, "fast", "tensorboard")
     printed = io.StringIO()
     with redirect_stdout(printed):
-        summary = freetune.train.train(model, tokenizer, rows(16), config, paths=paths, eval_dataset=rows(8, 100),
-                                       resume=False)
+        summary = freetune.train.train(model, tokenizer, rows(16), config, plan=fast, paths=paths,
+                                       eval_dataset=rows(8, 100), resume=False)
     history = json.loads((root / "fast" / "reports" / "log_history.json").read_text())
     return {"plain": plain.state.log_history, "fast": history, "summary": summary, "printed": printed.getvalue(),
             "root": root}
@@ -127,7 +128,7 @@ model, _, _ = freetune.model.attach_lora(model, rank=8, alpha=16, dropout=0.0, s
 config = freetune.train.make_config(paths, plan, max_steps=2, micro_batch=4, grad_accum=1, learning_rate=5e-3,
                                     max_length=64, optimizer="adamw_torch", logging_steps=1, save_steps=100,
                                     eval_steps=1, report_to="trackio")
-freetune.train.train(model, freetune.model.load_tokenizer(sys.argv[1]), rows(8), config, paths=paths,
+freetune.train.train(model, freetune.model.load_tokenizer(sys.argv[1]), rows(8), config, plan=plan, paths=paths,
                      eval_dataset=rows(4, 100), resume=False)
 from trackio.sqlite_storage import SQLiteStorage
 

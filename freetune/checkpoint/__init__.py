@@ -1,0 +1,37 @@
+"""Checkpoints that outlive the session, and the resume that finds the newest one that is really complete.
+
+A Colab session can vanish mid-save, so a checkpoint folder on disk proves nothing. The Trainer writes
+checkpoint-N/ file by file (adapter, optimizer, scheduler, RNG, trainer_state.json); only after all of it, and
+after every rank has finished its part (a barrier), the main process writes `freetune_complete.json`: the step
+and every file's size. A folder without that marker, or whose files no longer match it, is incomplete: the resume
+deletes it and never loads it. What a kill at each point of a save leaves behind:
+
+  during the adapter / optimizer / scheduler / RNG / trainer state   no marker -> deleted on resume
+  while the marker is written (temp file, then an atomic rename)     no marker -> deleted on resume
+  after the marker, before old checkpoints are rotated out           one complete checkpoint too many: fine
+  during rotation (an old one is renamed `.deleting-...`, then       the scratch folder is deleted on resume; a
+  deleted)                                                           half-deleted folder never keeps a checkpoint name
+
+Old checkpoints are rotated out only after the new one's marker is written, and only complete ones count, so
+there are always at least `save_total_limit` (>= 2) complete checkpoints once that many were saved.
+
+Stopping early: a time budget (default: the platform's session limit minus a margin) and SIGTERM both stop at
+the end of a step and save a complete checkpoint; under DDP the ranks agree on the step through one tiny
+all_reduce per step, or one rank would wait forever for the others at the save.
+
+Hub sync (optional): the main process uploads each complete checkpoint to a private Hub repo, in a background
+thread with retries, one commit per checkpoint (a Hub commit is all-or-nothing). When the Hub holds a newer
+complete checkpoint than the local folder (a new Colab session starts empty), the resume downloads it first.
+"""
+
+# One job per module: marker (complete-or-ignored, resume), stop (time budget, SIGTERM, the ranks' agreement),
+# hub (Hub sync); the Trainer's side of a save is freetune.trainer.FreetuneTrainer.
+from freetune.checkpoint.hub import HubSync
+from freetune.checkpoint.marker import (MARKER, agree_on_resume, check_complete, checkpoint_step, complete_checkpoints,
+                                        find_resume_checkpoint, latest_complete, remove_incomplete, rotate,
+                                        weights_finite, write_marker)
+from freetune.checkpoint.stop import BUDGET_MARGIN_MIN, StopAgreement, sigterm_stops, stop_callback, time_budget
+
+__all__ = ["BUDGET_MARGIN_MIN", "MARKER", "HubSync", "StopAgreement", "agree_on_resume", "check_complete",
+           "checkpoint_step", "complete_checkpoints", "find_resume_checkpoint", "latest_complete", "remove_incomplete",
+           "rotate", "sigterm_stops", "stop_callback", "time_budget", "weights_finite", "write_marker"]
