@@ -42,6 +42,12 @@ __all__ = ["FreetuneError", "__version__"]
 # missing; the line only reads like a failure to a new user. That one message is dropped, nothing else.
 logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
     lambda record: not str(record.msg).startswith("Failed to load CPU gemm_4bit_forward"))
+# transformers 5.17's Trainer copies the tokenizer's PAD/BOS/EOS ids into the model's config and says so in a red
+# warning ("The tokenizer has new PAD/BOS/EOS tokens ..."), on every run whose base config names another BOS (Qwen's
+# names none). The copy is what freetune wants; the notebook's audit already reports the tokens that matter (EOS
+# inside the labels, pad == EOS). That one message is dropped.
+logging.getLogger("transformers.trainer_utils").addFilter(
+    lambda record: not str(record.msg).startswith("The tokenizer has new PAD/BOS/EOS tokens"))
 
 _SUBMODULES = {"params", "platform", "preflight", "choices", "memory", "data", "audit", "model", "train", "trainer",
                "overrides", "distributed", "launch", "checkpoint", "sanity", "tasks", "export", "secrets", "fixtures",

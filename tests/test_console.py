@@ -64,3 +64,26 @@ def test_an_unreachable_hub_fails_at_once_saying_what_to_change(call):
     assert "Cannot reach the Hugging Face Hub (http://127.0.0.1:9" in result.stdout, result.stdout + result.stderr
     assert "Internet on" in result.stdout and ("`model_id`" in result.stdout or "`dataset`" in result.stdout)
     assert "Retry" not in result.stdout + result.stderr  # no retries: one check, one message
+
+
+def test_the_trainers_token_alignment_notice_is_dropped_and_nothing_else():
+    import logging
+
+    import freetune  # noqa: F401  (installs the filter)
+    import transformers.trainer_utils
+
+    got = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            got.append(record.getMessage())
+
+    handler = Keep()
+    transformers.trainer_utils.logger.addHandler(handler)
+    try:
+        transformers.trainer_utils.logger.warning("The tokenizer has new PAD/BOS/EOS tokens that differ from the model "
+                                                  "config and generation config. Updated tokens: {'bos_token_id': None}.")
+        transformers.trainer_utils.logger.warning("another warning")
+    finally:
+        transformers.trainer_utils.logger.removeHandler(handler)
+    assert got == ["another warning"]
