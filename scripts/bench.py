@@ -49,10 +49,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from freetune.memory import KNOWN_SHAPES, ModelShape
 
-from freetune.memory import KNOWN_SHAPES, ModelShape  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 ROWS_PER_STEP = 8  # per GPU: batch 1 x accumulation 8 in the free-tier recipe
 LORA_RANK = 16

@@ -25,9 +25,6 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
 # Wide MLPs and a narrow residual stream: many 4-bit weights per byte of embedding (Qwen's 151,936-token vocabulary
 # makes the embedding, gathered whole by FSDP's root unit, the fixed cost a shard cannot split).
 SHAPE = dict(hidden_size=512, intermediate_size=16384, num_layers=160, num_attention_heads=4, num_key_value_heads=1)
