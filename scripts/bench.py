@@ -49,10 +49,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from freetune.memory import KNOWN_SHAPES, ModelShape
 
-from freetune.memory import KNOWN_SHAPES, ModelShape  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 ROWS_PER_STEP = 8  # per GPU: batch 1 x accumulation 8 in the free-tier recipe
 LORA_RANK = 16
@@ -282,19 +281,66 @@ def run_one(job: dict) -> dict:
     """One configuration in this process (under torchrun: one rank of it). Returns the measurements."""
     import torch
     from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
-    from trl import SFTTrainer
+    from transformers import AutoTokenizer
 
     import freetune
-    from freetune.model import adapter_dtype_guard
-    from freetune.platform import Paths
-    from freetune.preflight import make_plan, read_hardware
 
     ctx = freetune.distributed.init()
     shape = shape_of(job["shape"])
     cuda = torch.cuda.is_available()
-    warmup, measured = job["warmup"], job["steps"]
     run_dir = Path(job["work"]) / f"{job['mode']}-{job['run']}-{job['world']}"
+    paths = fresh_run_folder(run_dir, ctx)
+    plan, experiments = job_plan(job, shape, run_dir)
+    apply_experiments(experiments, shape, ctx.local_rank)
+    if ctx.is_main:
+        print(f"== {job['mode']} / {job['run']} / {job['world']} process(es)\n{plan.table()}", flush=True)
+
+    tokenizer = AutoTokenizer.from_pretrained(job["tokenizer"])
+    rows = json.loads(Path(job["rows"]).read_text())
+    dataset = Dataset.from_dict({"input_ids": rows})
+    model = freetune.model.load_base_model(job["model"], plan, local_rank=ctx.local_rank,
+                                           memory_cap_gib=job["cap_gib"] if cuda else 0.0)
+    model, trainable, _ = freetune.model.attach_lora(model, rank=LORA_RANK, alpha=2 * LORA_RANK, dropout=0.05,
+                                                     seed=0)
+    total_steps = job["warmup"] + job["steps"]
+    most_tokens = [0]  # the largest micro-batch's tokens (padding included): what the memory estimate sizes
+
+    def count_tokens(module, args, kwargs):
+        ids = kwargs.get("input_ids")
+        if ids is not None and module.training:
+            most_tokens[0] = max(most_tokens[0], ids.numel())
+
+    model.register_forward_pre_hook(count_tokens, with_kwargs=True)
+    config = freetune.train.make_config(
+        paths, plan, max_steps=total_steps + (1 if job.get("profile") else 0), micro_batch=plan.micro_batch,
+        grad_accum=plan.grad_accum,
+        learning_rate=1e-4, max_length=job["max_length"], optimizer=plan.optimizer,
+        logging_steps=job.get("logging_steps", 1),
+        save_steps=100_000, seed=0)
+    ddp_experiment_callbacks = apply_ddp_experiments(experiments, config)
+    timer = _timer_class()(job["warmup"], job["steps"], cuda, ctx.rank)
+    # The profiled step comes after the measured ones: the profiler's own overhead stays out of the timings. Every
+    # rank profiles the same step (under DDP the ranks wait for each other, so one rank's wait is the other's work);
+    # the report keeps rank 0's summary, the log has every rank's tables.
+    profiler = _step_profiler_class()(total_steps, cuda, ctx.rank) if job.get("profile") else None
+    callbacks = ddp_experiment_callbacks + [timer] + ([profiler] if profiler is not None else [])
+    history = train_run(job, model, tokenizer, dataset, config, plan, paths, callbacks, ctx)
+    if not ctx.is_main:
+        freetune.distributed.cleanup()
+        return {}
+    result = measurements(job, shape, plan, config, history, timer, trainable, most_tokens[0])
+    if profiler is not None and profiler.summary:
+        result["profile"] = profiler.summary
+    result.update(host_and_memory(timer, cuda))
+    freetune.distributed.cleanup()
+    return result
+
+
+def fresh_run_folder(run_dir: Path, ctx):
+    """The run's Paths, its folder emptied and made by the main process (the others wait for it)."""
+    import freetune
+    from freetune.platform import Paths
+
     paths = Paths.under(run_dir)
     if ctx.is_main:
         # A fresh folder per run: the checkpoints an earlier run left there would stop train() ("holds checkpoints
@@ -302,6 +348,12 @@ def run_one(job: dict) -> dict:
         shutil.rmtree(run_dir, ignore_errors=True)
         paths.make()
     freetune.distributed.barrier()
+    return paths
+
+
+def job_plan(job: dict, shape: ModelShape, run_dir: Path):
+    """The plan this job's run follows, and the --variants experiments it asks for (not plan fields)."""
+    from freetune.preflight import make_plan, read_hardware
 
     hardware = read_hardware(str(run_dir), str(run_dir))
     budget = job["cap_gib"] or None
@@ -326,33 +378,13 @@ def run_one(job: dict) -> dict:
     experiments = {k: overrides.pop(k) for k in EXPERIMENTS if k in overrides}
     if overrides:  # a --variants run: freetune's plan with some choices changed
         plan = replace(plan, **overrides, reasons={**plan.reasons, **{k: "as --variants asks" for k in overrides}})
-    apply_experiments(experiments, shape, ctx.local_rank)
-    if ctx.is_main:
-        print(f"== {job['mode']} / {job['run']} / {job['world']} process(es)\n{plan.table()}", flush=True)
+    return plan, experiments
 
-    tokenizer = AutoTokenizer.from_pretrained(job["tokenizer"])
-    rows = json.loads(Path(job["rows"]).read_text())
-    dataset = Dataset.from_dict({"input_ids": rows})
-    model = freetune.model.load_base_model(job["model"], plan, local_rank=ctx.local_rank,
-                                           memory_cap_gib=job["cap_gib"] if cuda else 0.0)
-    model, trainable, _ = freetune.model.attach_lora(model, rank=LORA_RANK, alpha=2 * LORA_RANK, dropout=0.05,
-                                                     seed=0)
-    total_steps = warmup + measured
-    most_tokens = [0]  # the largest micro-batch's tokens (padding included): what the memory estimate sizes
 
-    def count_tokens(module, args, kwargs):
-        ids = kwargs.get("input_ids")
-        if ids is not None and module.training:
-            most_tokens[0] = max(most_tokens[0], ids.numel())
-
-    model.register_forward_pre_hook(count_tokens, with_kwargs=True)
-    config = freetune.train.make_config(
-        paths, plan, max_steps=total_steps + (1 if job.get("profile") else 0), micro_batch=plan.micro_batch,
-        grad_accum=plan.grad_accum,
-        learning_rate=1e-4, max_length=job["max_length"], optimizer=plan.optimizer,
-        logging_steps=job.get("logging_steps", 1),
-        save_steps=100_000, seed=0)
-    ddp_experiment_callbacks = apply_ddp_experiments(experiments, config)
+def _timer_class():
+    """Timer, a TrainerCallback (defined here so that transformers is imported only by the workers)."""
+    import torch
+    from transformers import TrainerCallback
 
     class Timer(TrainerCallback):
         """Wall time at the end of the warm-up and of the measured steps (the GPU drained at both marks), the CPU
@@ -360,7 +392,9 @@ def run_one(job: dict) -> dict:
         printed by every rank: under DDP, which rank's host is the slower one, and where the other one waits).
         Last in the callback list: its step end comes after the stop callback's."""
 
-        def __init__(self):
+        def __init__(self, warmup: int, measured: int, cuda: bool, rank: int):
+            self.warmup, self.measured, self.total_steps = warmup, measured, warmup + measured
+            self.cuda, self.rank = cuda, rank
             self.marks, self.threads_at_warmup, self.busiest = {}, None, []
             self.phases, self.begin, self.pre_optimizer, self.end = [], None, None, None
 
@@ -372,23 +406,27 @@ def run_one(job: dict) -> dict:
 
         def on_step_end(self, args, state, control, **kwargs):
             now = time.perf_counter()
+            warmup, total_steps = self.warmup, self.total_steps
             if warmup < state.global_step <= total_steps:  # a measured step (the warm-up's end set self.end)
                 self.phases.append([self.pre_optimizer - self.begin, now - self.pre_optimizer, self.begin - self.end])
             self.end = now
             if state.global_step in (warmup, total_steps):
-                if cuda:
+                if self.cuda:
                     torch.cuda.synchronize()
                 self.marks[state.global_step] = time.perf_counter()
                 if state.global_step == warmup:
                     self.threads_at_warmup = thread_cpu()
                 elif self.threads_at_warmup is not None:
                     self.busiest = thread_cpu_between(self.threads_at_warmup, thread_cpu())
-                    wall = self.marks[total_steps] - self.marks[warmup]
-                    print(f"rank {ctx.rank}: CPU seconds per thread over the {measured} measured steps ({wall:.2f} s "
-                          f"wall; involuntary switches): " + ", ".join(f"{n} {c:.2f} s ({p})"
-                                                                       for n, c, p in self.busiest), flush=True)
-                    print(f"rank {ctx.rank}: host ms per measured step, median (max): " + ", ".join(
-                        f"{name} {ms[0]:.1f} ({ms[1]:.1f})" for name, ms in self.phase_summary().items()), flush=True)
+                    self.print_host_time()
+
+        def print_host_time(self):
+            wall = self.marks[self.total_steps] - self.marks[self.warmup]
+            print(f"rank {self.rank}: CPU seconds per thread over the {self.measured} measured steps ({wall:.2f} s "
+                  f"wall; involuntary switches): " + ", ".join(f"{n} {c:.2f} s ({p})"
+                                                               for n, c, p in self.busiest), flush=True)
+            print(f"rank {self.rank}: host ms per measured step, median (max): " + ", ".join(
+                f"{name} {ms[0]:.1f} ({ms[1]:.1f})" for name, ms in self.phase_summary().items()), flush=True)
 
         def phase_summary(self) -> dict:
             """Median and max host milliseconds per step of: forward + backward (and the syncs inside them), the
@@ -401,19 +439,24 @@ def run_one(job: dict) -> dict:
                     out[name] = [round(values[len(values) // 2], 1), round(values[-1], 1)]
             return out
 
+    return Timer
+
+
+def train_run(job: dict, model, tokenizer, dataset, config, plan, paths, callbacks: list, ctx) -> list[dict]:
+    """Train the job's run, freetune's path or the plain stack; the log history (rank 0's; [] on other ranks)."""
+    import torch
+    from trl import SFTTrainer
+
+    import freetune
+    from freetune.model import adapter_dtype_guard
+
+    cuda = torch.cuda.is_available()
     if not job["run"].startswith("freetune"):
         # The plain stack as it comes: the Trainer's defaults that freetune.train.make_config changes to cut host
         # syncs (a blocking copy of each batch to the GPU, the NaN check of every micro-batch's loss).
         config.logging_nan_inf_filter = True
         config.dataloader_pin_memory = True
         config.accelerator_config.non_blocking = False
-
-    timer = Timer()
-    # The profiled step comes after the measured ones: the profiler's own overhead stays out of the timings. Every
-    # rank profiles the same step (under DDP the ranks wait for each other, so one rank's wait is the other's work);
-    # the report keeps rank 0's summary, the log has every rank's tables.
-    profiler = _step_profiler_class()(total_steps, cuda, ctx.rank) if job.get("profile") else None
-    callbacks = ddp_experiment_callbacks + [timer] + ([profiler] if profiler is not None else [])
     if job["precision"] == "fp16" and cuda:
         # The T4's SDPA kernels (memory-efficient, math), as the peer is held to (bench_unsloth.t4_kernels): this
         # worker process runs one configuration, so the switch is process-wide.
@@ -422,19 +465,21 @@ def run_one(job: dict) -> dict:
     if job["run"].startswith("freetune"):
         freetune.train.train(model, tokenizer, dataset, config, plan=plan, paths=paths, resume=False,
                              extra_callbacks=callbacks)
-        history = json.loads((run_dir / "reports" / "log_history.json").read_text()) if ctx.is_main else []
-    else:
-        # The plain stack: TRL's trainer, collator and loss as they come. The fp32 LoRA guard stays: without it
-        # the fp16 (T4) runs stop with TRL's bf16 LoRA weights under fp16 AMP, the bug freetune exists to fix.
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer,
-                             callbacks=[adapter_dtype_guard(), *callbacks])
-        trainer.train()
-        history = trainer.state.log_history
-    if not ctx.is_main:
-        freetune.distributed.cleanup()
-        return {}
+        return json.loads((Path(paths.reports) / "log_history.json").read_text()) if ctx.is_main else []
+    # The plain stack: TRL's trainer, collator and loss as they come. The fp32 LoRA guard stays: without it
+    # the fp16 (T4) runs stop with TRL's bf16 LoRA weights under fp16 AMP, the bug freetune exists to fix.
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer,
+                         callbacks=[adapter_dtype_guard(), *callbacks])
+    trainer.train()
+    return trainer.state.log_history
+
+
+def measurements(job: dict, shape: ModelShape, plan, config, history: list[dict], timer, trainable: int,
+                 most_tokens: int) -> dict:
+    """The run's report entry: its settings, rates, losses and the memory estimates (rank 0's)."""
+    warmup, measured, total_steps = timer.warmup, timer.measured, timer.total_steps
     tokens = {h["step"]: h["num_tokens"] for h in history if "num_tokens" in h}
     pads = [h["pad_fraction"] for h in history if "pad_fraction" in h]
     seconds = timer.marks[total_steps] - timer.marks[warmup]
@@ -452,11 +497,11 @@ def run_one(job: dict) -> dict:
         "lora_kernel": plan.lora_kernel, "compile": plan.compile, "optimizer": plan.optimizer,
         "sampler": plan.sampler, "logging_steps": config.logging_steps,
         "frozen_dtype": plan.frozen_dtype, "offload_activations": plan.offload_activations,
-        "max_micro_batch_tokens": most_tokens[0],
+        "max_micro_batch_tokens": most_tokens,
         # The plan's estimate of this run's peak (every row at max_length), and re-made at the largest micro-batch
         # this run really saw: how far the memory model is from the measured peak.
         "estimate_gib": round(plan.memory.peak_allocated_gib, 3) if plan.memory is not None else None,
-        "estimate_at_seen_tokens_gib": seen_estimate(plan, shape, most_tokens[0]),
+        "estimate_at_seen_tokens_gib": seen_estimate(plan, shape, most_tokens),
     }
     if plan.compile:
         # What the compiled layers became: one graph per layer and no break is the fast shape; breaks or graphs per
@@ -466,20 +511,27 @@ def run_one(job: dict) -> dict:
         result["dynamo"] = {"unique_graphs": counters["stats"]["unique_graphs"],
                             "graph_breaks": sum(counters["graph_break"].values()),
                             "frames_ok": counters["frames"]["ok"], "frames_total": counters["frames"]["total"]}
-    if profiler is not None and profiler.summary:
-        result["profile"] = profiler.summary
-    if timer.busiest:
-        result["thread_cpu_s"] = timer.busiest  # rank 0's; every rank's are in the log
-    if timer.phases:
-        result["host_phase_ms"] = timer.phase_summary()  # rank 0's; every rank's are in the log
-    if cuda:
-        result["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
-        result["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 3)
-        result["gpu"] = torch.cuda.get_device_name(0)
-    else:
-        result["peak_rss_gib"] = round(freetune.train.memory_gib()[1], 3)
-    freetune.distributed.cleanup()
     return result
+
+
+def host_and_memory(timer, cuda: bool) -> dict:
+    """Rank 0's host time (every rank's is in the log) and its peak memory (torch's counters, or the RSS)."""
+    import torch
+
+    import freetune
+
+    out = {}
+    if timer.busiest:
+        out["thread_cpu_s"] = timer.busiest
+    if timer.phases:
+        out["host_phase_ms"] = timer.phase_summary()
+    if cuda:
+        out["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
+        out["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 3)
+        out["gpu"] = torch.cuda.get_device_name(0)
+    else:
+        out["peak_rss_gib"] = round(freetune.train.memory_gib()[1], 3)
+    return out
 
 
 def seen_estimate(plan, shape: ModelShape, tokens: int) -> float | None:
@@ -648,7 +700,7 @@ def peer_command(job_file: Path, env: dict) -> tuple[list[str], dict]:
     return [sys.executable, str(PEER_WORKER), str(job_file)], {**env, "PYTHONPATH": str(peer_site())}
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None,
                         help="JSON results (default reports/gpu/bench.json; with --tiny a file in the temp folder, so "
@@ -695,6 +747,11 @@ def main(argv=None) -> int:
     unknown = set(args.runs.split(",")) - set(RUNS + PEER_RUNS)
     if unknown:
         parser.error(f"--runs: no run called {', '.join(sorted(unknown))}; pick from {', '.join(RUNS + PEER_RUNS)}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     if set(args.runs.split(",")) & set(PEER_RUNS):
         peer_site()  # before any model is built: the peer's site must be there
 
@@ -712,6 +769,33 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     gpus = torch.cuda.device_count() if device == "cuda" else 0
+    report, jobs, ddp_jobs = make_jobs(args, work, device, gpus)
+    if args.out is None:
+        args.out = (Path(tempfile.gettempdir()) / "freetune_bench_tiny.json" if args.tiny
+                    else REPO / "reports" / "gpu" / "bench.json")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_suffix(".log"), "w") as log:
+        schedule = Schedule(args, report, out, log, start, gpus)
+        if args.tiny and not args.spawn:  # in this process: the smoke test pays the imports once
+            schedule.in_this_process(jobs, work)
+        else:
+            schedule.on_gpus(jobs, ddp_jobs)
+    for other in args.merge:
+        merge_runs(report, json.loads(Path(other).read_text())["runs"])
+        report.setdefault("merged_from", []).append(other)
+    summarise(report)
+    out.write_text(json.dumps(report, indent=1))
+    print(table(report))
+    print(f"wrote {out} ({time.time() - start:.0f} s)")
+    return 1 if any(map(counts_as_failure, report["runs"])) else 0
+
+
+def make_jobs(args: argparse.Namespace, work: Path, device: str, gpus: int) -> tuple[dict, list[dict], list[dict]]:
+    """The report's header (the matmul rate measured here), the single-process jobs and the DDP jobs; builds the
+    tokenizer, the models and the rows they need in `work`."""
+    import torch
+
     tokenizer_dir = build_tokenizer(work / "tokenizer")
     if args.tiny:
         modes = {"cpu": dict(shape="tiny", cap_gib=0.0, precision="auto")}
@@ -755,91 +839,86 @@ def main(argv=None) -> int:
         {**j, "world": 2} for j in jobs if j["mode"] == "uncapped" and base_run(j["run"]) in ("free_tier", "freetune")]
     # A variant of DDP settings only runs under DDP; its efficiency is against freetune's 1-GPU run.
     jobs = [j for j in jobs if not ddp_only(j["overrides"])]
+    return report, jobs, ddp_jobs
 
-    if args.out is None:
-        args.out = (Path(tempfile.gettempdir()) / "freetune_bench_tiny.json" if args.tiny
-                    else REPO / "reports" / "gpu" / "bench.json")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    log_path = out.with_suffix(".log")
 
-    def record(result_file: Path, job: dict, rc: int):
+class Schedule:
+    """Runs the jobs and records each result in the report (written to `out` after every run)."""
+
+    def __init__(self, args: argparse.Namespace, report: dict, out: Path, log, start: float, gpus: int):
+        self.args, self.report, self.out, self.log, self.start, self.gpus = args, report, out, log, start, gpus
+
+    def record(self, result_file: Path, job: dict, rc: int):
         if result_file.exists():
-            report["runs"].append(json.loads(result_file.read_text()))
+            self.report["runs"].append(json.loads(result_file.read_text()))
         else:
-            report["runs"].append({k: job[k] for k in ("mode", "run", "world")} | {"failed": f"exit {rc}"})
-        summarise(report)
-        out.write_text(json.dumps(report, indent=1))
+            self.report["runs"].append({k: job[k] for k in ("mode", "run", "world")} | {"failed": f"exit {rc}"})
+        summarise(self.report)
+        self.out.write_text(json.dumps(self.report, indent=1))
 
-    with open(log_path, "w") as log:
-        if args.tiny and not args.spawn:  # in this process: the smoke test pays the imports once
-            for job in jobs:
-                if job["run"] in PEER_RUNS:  # always a process of its own, on the peer's site
-                    proc, result_file = launch(job, [0], log)
-                    record(result_file, job, proc.wait())
-                    continue
-                result_file = work / f"result-{job['mode']}-{job['run']}.json"
-                job = {**job, "result": str(result_file)}
-                result_file.unlink(missing_ok=True)
-                result_file.write_text(json.dumps(run_one(job)))
-                record(result_file, job, 0)
-        else:
-            def single_gpu(queue):
-                """Single-GPU runs one at a time on GPU 0 (or, with --parallel, one per GPU side by side)."""
-                running = {}  # gpu -> (proc, result_file, job)
-                free = list(range(max(gpus, 1))) if args.parallel else [0]
-                while queue or running:
-                    if queue and time.time() - start >= args.budget_s:
-                        for job in queue:
-                            report["runs"].append({k: job[k] for k in ("mode", "run", "world")}
-                                                  | {"failed": "no time left"})
-                        queue = []
-                    while queue and free:
-                        gpu = free.pop(0)
-                        job = queue.pop(0)
-                        proc, result_file = launch(job, [gpu], log)
-                        running[gpu] = (proc, result_file, job)
-                    for gpu, (proc, result_file, job) in list(running.items()):
-                        if proc.poll() is not None:
-                            record(result_file, job, proc.returncode)
-                            print(f"done: {job['mode']}/{job['run']} (exit {proc.returncode}, "
-                                  f"{time.time() - start:.0f} s)", flush=True)
-                            del running[gpu]
-                            free.append(gpu)
-                    time.sleep(1)
+    def no_time_left(self, job: dict):
+        self.report["runs"].append({k: job[k] for k in ("mode", "run", "world")} | {"failed": "no time left"})
 
-            def both_gpus(job):
-                if time.time() - start >= args.budget_s:
-                    report["runs"].append({k: job[k] for k in ("mode", "run", "world")} | {"failed": "no time left"})
-                    return
-                proc, result_file = launch(job, [0, 1], log)
-                proc.wait()
-                record(result_file, job, proc.returncode)
-                print(f"done: DDP {job['mode']}/{job['run']} (exit {proc.returncode}, {time.time() - start:.0f} s)",
-                      flush=True)
+    def in_this_process(self, jobs: list[dict], work: Path):
+        for job in jobs:
+            if job["run"] in PEER_RUNS:  # always a process of its own, on the peer's site
+                proc, result_file = launch(job, [0], self.log)
+                self.record(result_file, job, proc.wait())
+                continue
+            result_file = work / f"result-{job['mode']}-{job['run']}.json"
+            job = {**job, "result": str(result_file)}
+            result_file.unlink(missing_ok=True)
+            result_file.write_text(json.dumps(run_one(job)))
+            self.record(result_file, job, 0)
 
-            # The uncapped runs first, then the caps. Each uncapped run's DDP run comes right after its 1-GPU run:
-            # the efficiency compares the two, and the lent host's speed drifts over minutes (the same run has
-            # measured 19k-27k tokens/s in different calls). With --parallel the 1-GPU runs go first, side by side.
-            uncapped = [j for j in jobs if j["mode"] == "uncapped"] if not args.ddp_only else []
-            if args.parallel:
-                single_gpu(uncapped)
-                uncapped = []
-            for where, job in run_order(uncapped, ddp_jobs):
-                if where == "1 GPU":
-                    single_gpu([job])
-                else:
-                    both_gpus(job)
-            if not args.ddp_only:
-                single_gpu([j for j in jobs if j["mode"] != "uncapped"])
-    for other in args.merge:
-        merge_runs(report, json.loads(Path(other).read_text())["runs"])
-        report.setdefault("merged_from", []).append(other)
-    summarise(report)
-    out.write_text(json.dumps(report, indent=1))
-    print(table(report))
-    print(f"wrote {out} ({time.time() - start:.0f} s)")
-    return 1 if any(map(counts_as_failure, report["runs"])) else 0
+    def on_gpus(self, jobs: list[dict], ddp_jobs: list[dict]):
+        # The uncapped runs first, then the caps. Each uncapped run's DDP run comes right after its 1-GPU run:
+        # the efficiency compares the two, and the lent host's speed drifts over minutes (the same run has
+        # measured 19k-27k tokens/s in different calls). With --parallel the 1-GPU runs go first, side by side.
+        uncapped = [j for j in jobs if j["mode"] == "uncapped"] if not self.args.ddp_only else []
+        if self.args.parallel:
+            self.single_gpu(uncapped)
+            uncapped = []
+        for where, job in run_order(uncapped, ddp_jobs):
+            if where == "1 GPU":
+                self.single_gpu([job])
+            else:
+                self.both_gpus(job)
+        if not self.args.ddp_only:
+            self.single_gpu([j for j in jobs if j["mode"] != "uncapped"])
+
+    def single_gpu(self, queue: list[dict]):
+        """Single-GPU runs one at a time on GPU 0 (or, with --parallel, one per GPU side by side)."""
+        running = {}  # gpu -> (proc, result_file, job)
+        free = list(range(max(self.gpus, 1))) if self.args.parallel else [0]
+        while queue or running:
+            if queue and time.time() - self.start >= self.args.budget_s:
+                for job in queue:
+                    self.no_time_left(job)
+                queue = []
+            while queue and free:
+                gpu = free.pop(0)
+                job = queue.pop(0)
+                proc, result_file = launch(job, [gpu], self.log)
+                running[gpu] = (proc, result_file, job)
+            for gpu, (proc, result_file, job) in list(running.items()):
+                if proc.poll() is not None:
+                    self.record(result_file, job, proc.returncode)
+                    print(f"done: {job['mode']}/{job['run']} (exit {proc.returncode}, "
+                          f"{time.time() - self.start:.0f} s)", flush=True)
+                    del running[gpu]
+                    free.append(gpu)
+            time.sleep(1)
+
+    def both_gpus(self, job: dict):
+        if time.time() - self.start >= self.args.budget_s:
+            self.no_time_left(job)
+            return
+        proc, result_file = launch(job, [0, 1], self.log)
+        proc.wait()
+        self.record(result_file, job, proc.returncode)
+        print(f"done: DDP {job['mode']}/{job['run']} (exit {proc.returncode}, {time.time() - self.start:.0f} s)",
+              flush=True)
 
 
 def counts_as_failure(run: dict) -> bool:

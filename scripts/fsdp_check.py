@@ -25,9 +25,6 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
 # Wide MLPs and a narrow residual stream: many 4-bit weights per byte of embedding (Qwen's 151,936-token vocabulary
 # makes the embedding, gathered whole by FSDP's root unit, the fixed cost a shard cannot split).
 SHAPE = dict(hidden_size=512, intermediate_size=16384, num_layers=160, num_attention_heads=4, num_key_value_heads=1)
@@ -163,7 +160,7 @@ def worker(args) -> int:
     return 0
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--label", default="")
@@ -183,7 +180,11 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=SHAPE["num_layers"])
     # The FSDP job quantises the model on the CPU first (~200 s per rank for 4.1 B weights on the first run).
     parser.add_argument("--job-timeout", type=int, default=420, help="seconds per torchrun job")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
     if args.worker:
         return worker(args)
 
@@ -198,6 +199,30 @@ def main() -> int:
 
     shape_info = ModelShape.named(str(model))
     weights_4bit = shape_info.quantized_params * NF4_BYTES_PER_PARAM[True] / 2**30
+    results = run_jobs(args, model, work)
+    report = {
+        "check": "FSDP-QLoRA vs DDP under a per-GPU memory cap (issue 10)",
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+        "torch": torch.__version__,
+        "model": {"shape": shape, "quantized_params": shape_info.quantized_params,
+                  "total_params": shape_info.total_params, "weights_4bit_gib": round(weights_4bit, 3),
+                  "vocab": shape_info.vocab},
+        "settings": {"cap_gib": args.cap_gib, "steps": args.steps, "micro_batch": args.micro_batch,
+                     "grad_accum": args.grad_accum, "max_length": args.max_length, "lora_rank": args.lora_rank,
+                     "lora_targets": LORA_TARGETS, "optimizer": "adamw_torch", "gradient_checkpointing": True,
+                     "processes": 2},
+        "results": results,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print_table(results)
+    print(f"4-bit weights {weights_4bit:.2f} GiB, cap {args.cap_gib} GiB per GPU; written {out}")
+    return 0
+
+
+def run_jobs(args: argparse.Namespace, model: Path, work: Path) -> dict:
+    """The four torchrun jobs one after another; each job's exit, wall time and ranks' records, by label."""
     # (label, layout, cap, steps, run folder): fsdp_resume continues fsdp_capped's run from its checkpoint.
     jobs = [("ddp_capped", "ddp", args.cap_gib, args.steps, "ddp_capped"),
             ("fsdp_capped", "auto", args.cap_gib, args.steps, "fsdp_capped"),
@@ -225,22 +250,10 @@ def main() -> int:
             code = "timeout"
         ranks = [json.loads(p.read_text()) for p in sorted(records_dir.glob(f"{label}-rank*.json"))]
         results[label] = {"exit": code, "job_s": round(time.time() - t0, 1), "ranks": ranks}
-    report = {
-        "check": "FSDP-QLoRA vs DDP under a per-GPU memory cap (issue 10)",
-        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-        "torch": torch.__version__,
-        "model": {"shape": shape, "quantized_params": shape_info.quantized_params,
-                  "total_params": shape_info.total_params, "weights_4bit_gib": round(weights_4bit, 3),
-                  "vocab": shape_info.vocab},
-        "settings": {"cap_gib": args.cap_gib, "steps": args.steps, "micro_batch": args.micro_batch,
-                     "grad_accum": args.grad_accum, "max_length": args.max_length, "lora_rank": args.lora_rank,
-                     "lora_targets": LORA_TARGETS, "optimizer": "adamw_torch", "gradient_checkpointing": True,
-                     "processes": 2},
-        "results": results,
-    }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
+    return results
+
+
+def print_table(results: dict) -> None:
     print(f"\n{'job':<13} {'exit':>5} {'layout':>7} {'status':>14} {'peak alloc GiB (r0/r1)':>24} {'tok/s':>8} resumed from")
     for label, result in results.items():
         ranks = result["ranks"]
@@ -249,8 +262,6 @@ def main() -> int:
         rate = next((r.get("tokens_per_s") for r in ranks if r.get("tokens_per_s")), None)
         print(f"{label:<13} {str(result['exit']):>5} {ranks[0]['layout'] if ranks else '?':>7} {status:>14} "
               f"{peaks:>24} {rate or '-':>8} {ranks[0].get('resumed_from') if ranks else ''}")
-    print(f"4-bit weights {weights_4bit:.2f} GiB, cap {args.cap_gib} GiB per GPU; written {out}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """One recipe's training on several machines: the Kaggle notebook's own train_ddp.py under torchrun's c10d rendezvous.
+Run from the repository root (it imports scripts.run_recipe and build_notebooks):
 
     # print the exact commands for two machines (nothing runs)
-    python scripts/multihost.py svg_coder --head 10.0.0.1:29500
+    python -m scripts.multihost svg_coder --head 10.0.0.1:29500
     # on each machine, K = 0 on the first, 1 on the second: prepare, then join the job
-    python scripts/multihost.py svg_coder --head 10.0.0.1:29500 --node-rank K --run
+    python -m scripts.multihost svg_coder --head 10.0.0.1:29500 --node-rank K --run
 
 What `--run` does on each machine, the same everywhere:
 1. prepare: executes notebooks/kaggle/<recipe>.ipynb's cells up to its training script exactly as the notebook
@@ -30,8 +31,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 
 
 def prepare(recipe: str, parameters: dict, out: Path, *, nnodes: int = 1, nproc: int = 1) -> tuple[Path, Path]:
@@ -105,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=None, help="stop this host's torchrun after N seconds")
     args = parser.parse_args(argv)
 
-    from run_recipe import embedded_parameters, parse_parameters
+    from scripts.run_recipe import embedded_parameters, parse_parameters
 
     out = Path(args.out).resolve()
     rdzv_id = args.rdzv_id or args.recipe.replace("_", "-")
@@ -123,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
               f"every machine reaches.\n# Same repository checkout and freetune install on each; run from its root.")
         for rank in range(args.nnodes):
             print(f"\n# machine {rank}:")
-            print(f"python scripts/multihost.py {args.recipe} --head {args.head} --nnodes {args.nnodes} "
+            print(f"python -m scripts.multihost {args.recipe} --head {args.head} --nnodes {args.nnodes} "
                   f"--node-rank {rank} --rdzv-id {rdzv_id} --out {shlex.quote(args.out)} {flags} --run".replace("  ", " "))
         print("\n# --run prepares (train_ddp.py, the job file, the audited data) and then runs, on machine K:")
         runs = dict(args.parameter).get("output_dir", f"{args.out}/runs")

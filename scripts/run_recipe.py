@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 # What --embedded runs each recipe on: the tiny model's architecture, the bundled sample, and CPU-sized knobs.
 EMBEDDED = {

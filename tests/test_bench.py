@@ -1,6 +1,5 @@
 """scripts/bench.py end to end on a CPU: a tiny shape, the three runs, the table and the JSON."""
 
-import importlib.util
 import json
 import os
 import re
@@ -11,10 +10,8 @@ from conftest import REPO
 
 
 def load_bench():
-    """scripts/bench.py as a module (it is a script, not part of the package)."""
-    spec = importlib.util.spec_from_file_location("bench", REPO / "scripts" / "bench.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from scripts import bench
+
     return bench
 
 

@@ -1,6 +1,6 @@
 """Outgrowing one GPU (issue 10): two hosts in one torchrun job, and the FSDP-QLoRA path, checked on a CPU.
 
-Two hosts: two `scripts/multihost.py --run` launchers on this machine, each with its own working folder (its own
+Two hosts: two `python -m scripts.multihost --run` launchers on this machine, each with its own working folder (its own
 "disk"), each preparing the job from the generated Kaggle notebook (svg_coder, tiny Qwen2 model, bundled sample)
 and starting torchrun with --nnodes=2 and a c10d rendezvous on a free loopback port (1 process per host, gloo).
 Nothing is mocked: real torchrun agents, a real rendezvous, real training through the notebook's train_ddp.py.
@@ -31,7 +31,7 @@ from proctree import process_tree, send_signal
 
 pytestmark = pytest.mark.slow
 
-MULTIHOST = REPO / "scripts" / "multihost.py"
+MULTIHOST = [sys.executable, "-m", "scripts.multihost"]  # from the repository root, as docs/distributed.md runs it
 RANK_LINE = re.compile(r"node (\d+) of 2 \(.*?\): global rank (\d+) of 2, local rank 0")
 KILL_DEADLINE_S = 120
 
@@ -43,12 +43,12 @@ def free_port() -> int:
 
 
 class Host:
-    """One machine's launcher: scripts/multihost.py --run with its own working folder and log."""
+    """One machine's launcher: python -m scripts.multihost --run with its own working folder and log."""
 
     def __init__(self, tmp: Path, node_rank: int, port: int, *params: tuple[str, str]):
         self.out = tmp / f"host{node_rank}"
         self.log = tmp / f"host{node_rank}.log"
-        cmd = [sys.executable, str(MULTIHOST), "svg_coder", "--embedded", "--head", f"127.0.0.1:{port}",
+        cmd = [*MULTIHOST, "svg_coder", "--embedded", "--head", f"127.0.0.1:{port}",
                "--nnodes", "2", "--node-rank", str(node_rank), "--nproc-per-node", "1", "--rdzv-id", "test-job",
                # Both launchers share one machine, so torchrun cannot tell from the endpoint's name which of
                # them serves the rendezvous store: say it.
@@ -57,6 +57,9 @@ class Host:
             cmd += ["-p", name, value]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **trace_writes(self.run_dir),
                "FREETUNE_COLLECTIVE_TIMEOUT_S": "60"}
+        # Each launcher runs in its own folder (its own relative paths): the repository root on PYTHONPATH stands
+        # for running from there.
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO), env["PYTHONPATH"]])
         self._file = open(self.log, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._file, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True, cwd=tmp)
@@ -243,12 +246,12 @@ def test_the_trainer_gets_fsdp1_settings_and_a_cpu_run_is_refused(tmp_path):
 
 
 def test_multihost_prints_the_commands_for_two_machines():
-    result = subprocess.run([sys.executable, str(MULTIHOST), "home_assistant", "--head", "10.0.0.1:29500",
-                             "-p", "max_steps", "50"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([*MULTIHOST, "home_assistant", "--head", "10.0.0.1:29500", "-p", "max_steps", "50"],
+                            capture_output=True, text=True, timeout=120, cwd=REPO)
     assert result.returncode == 0, result.stderr
     out = result.stdout
     for rank in (0, 1):
-        assert (f"python scripts/multihost.py home_assistant --head 10.0.0.1:29500 --nnodes 2 --node-rank {rank} "
+        assert (f"python -m scripts.multihost home_assistant --head 10.0.0.1:29500 --nnodes 2 --node-rank {rank} "
                 f"--rdzv-id home-assistant") in out
     assert ("torchrun --nnodes=2 --node_rank=K '--nproc_per_node=<GPUs on that machine>' --rdzv_backend=c10d "
             "--rdzv_endpoint=10.0.0.1:29500 --rdzv_id=home-assistant runs/multihost/train_ddp.py") in out

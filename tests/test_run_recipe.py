@@ -13,8 +13,7 @@ import sys
 import pytest
 from conftest import REPO, run_recipe
 
-sys.path.insert(0, str(REPO / "scripts"))
-from run_recipe import parse_parameters  # noqa: E402
+from scripts.run_recipe import parse_parameters
 
 STEP_LINE = re.compile(r"^(\[default0\]:)?step +\d+/8  loss ", re.M)  # torchrun's --tee prefixes rank 0's lines
 
