@@ -591,8 +591,7 @@ def apply_experiments(experiments: dict, shape: ModelShape, local_rank: int) -> 
     if experiments.get("byte_masks"):  # the fused LoRA layers' dropout masks saved a byte per element, not packed bits
         import freetune.kernels
 
-        freetune.kernels.pack_mask = lambda kept: kept
-        freetune.kernels.unpack_mask = lambda kept, n, dtype: kept.to(dtype)
+        freetune.kernels.pack_mask = lambda kept: kept  # the backward unpacks only uint8 masks
     if experiments.get("liger"):  # Liger's Triton RMSNorm, SwiGLU and RoPE (not its loss: TRL's head is chunked)
         import liger_kernel.transformers as liger
 
