@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import sys
 import tomllib
 from pathlib import Path
@@ -28,17 +29,18 @@ from pathlib import Path
 import jupytext
 import nbformat
 
+from freetune.platform import PLATFORMS  # the table lives in the library (no torch import)
+
 ROOT = Path(__file__).resolve().parent
 RECIPES = ROOT / "recipes"
 NOTEBOOKS = ROOT / "notebooks"
 TARGETS = ("colab", "kaggle")
-sys.path.insert(0, str(ROOT))
-from freetune.platform import PLATFORMS  # noqa: E402  (the table lives in the library; no torch import)
 
 KERNELSPEC = {"name": "python3", "display_name": "Python 3", "language": "python"}
 MAX_PARAMETER_LINE = 100  # the parameters cell is read without scrolling sideways
 
 
+@functools.cache
 def project_meta() -> dict:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
@@ -50,8 +52,7 @@ def pinned_requirements() -> list[str]:
 
 
 def render_install(target: str) -> str:
-    meta = project_meta()
-    repo = meta["urls"]["Repository"]
+    repo = repo_url()
     pins = ",\n    ".join(f'"{req}"' for req in pinned_requirements())
     platform = PLATFORMS[target]
     return f'''# Install freetune and the library versions it was tested with (rendered from pyproject.toml).

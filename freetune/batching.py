@@ -23,7 +23,7 @@ class AlignedPaddingFree:
     that trains nothing (labels -100, positions restarting at 0, its own cu_seq_lens entry: attention keeps it
     apart). Why: compiled layers (torch.compile with dynamic shapes) guard on the token count's divisibility by 8
     (inductor's alignment assumptions), so an unaligned count meets a graph compiled for an aligned one and
-    recompiles, mid-run, 10-20 s each (seen on an H200: one step in four at 200-4,500 tokens/s instead of 15,000).
+    recompiles, mid-run, for seconds each (seen on an H200: one step in four slowed several times over).
     Always aligned, one graph serves every step. TRL's own pad_to_multiple_of pads with position 0 only, which
     makes every pad token a row of its own. At most PAD_TO - 1 tokens a micro-batch; their count travels in the
     batch under PAD_KEY for the token metrics; the trainer takes it out before the model sees the batch."""

@@ -10,7 +10,7 @@ reshape such a layer at all. Where the native kernel is right (AVX2 builds, or r
 
 `ensure_correct_dequantize()` runs the check once (a few milliseconds) and, where it fails, registers a pure-PyTorch
 dequantisation as bitsandbytes' CPU kernel for every shape (the CUDA kernels are untouched) and says so once.
-`keep_cpu_inference_layout(model)` keeps such layers out of the broken inference repacking.
+`freetune.overrides.keep_cpu_inference_layout(model)` keeps such layers out of the broken inference repacking.
 """
 
 from __future__ import annotations

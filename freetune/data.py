@@ -98,9 +98,10 @@ def _check_text(path: Path) -> None:
         return
     decoder, lines, blank = codecs.getincrementaldecoder("utf-8")(), 0, True
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            try:
-                blank = blank and not decoder.decode(chunk).strip()
+        while True:
+            chunk = f.read(1 << 20)
+            try:  # every chunk decoded (not only until the first text); the empty last one ends a cut-off character
+                text = decoder.decode(chunk, final=not chunk)
             except UnicodeDecodeError as exc:
                 seen = exc.object[:exc.start]
                 line = lines + seen.count(b"\n") + 1
@@ -110,6 +111,9 @@ def _check_text(path: Path) -> None:
                     f"0x{exc.object[exc.start]:02x} ({shown!r}); Latin-1 or Windows-1252 files look like this. "
                     f"Save it as UTF-8 (e.g. `iconv -f latin1 -t utf-8 {path.name} > utf8-{path.name}`) and point "
                     f"`dataset` at the new file.") from exc
+            blank = blank and not text.strip()
+            if not chunk:
+                break
             lines += chunk.count(b"\n")
     if blank:
         raise FreetuneError(f"Data set file {str(path)!r} holds only whitespace: no rows. Point `dataset` at the file "

@@ -7,12 +7,12 @@ without an error (a renamed private attribute is simply never read again), so th
 library is upgraded, and `.ci/newest` runs the tests that lean on them against the newest releases PyPI has.
 
 The tested releases are the pins in pyproject.toml. check_versions() compares the installed ones once per process,
-when this module is first imported (freetune.preflight imports it, before anything is loaded):
+when this module is first imported (freetune.model imports it, before a model or tokenizer is loaded):
 - the same release: nothing;
 - another release of the same major version, newer or older: a warning naming each difference, the tested version
   and the pip command that installs it. Patch and minor releases rarely touch what is overridden here, and a user
   on a newer Colab image should still be able to train; the warning says where to look when something goes wrong;
-- another major version (transformers 6, peft 1, ...): FreetuneError, before anything loads. Major releases rework
+- another major version (transformers 6, peft 1, ...): FreetuneError, before any model loads. Major releases rework
   the internals these overrides rely on, and a run would fail hours in, or train wrongly without failing.
 check_overridden() checks FreetuneTrainer against the installed classes when freetune.trainer is imported: a method
 the library no longer has would never be called, so that is an error too.
@@ -204,8 +204,7 @@ def compile_settings() -> None:
 
     torch._dynamo.config.suppress_errors = True
     # The fused function dequantises each weight again in its backward rather than keep a 16-bit copy (the whole
-    # model's worth over a step without checkpointing: ~2.4 GiB for a 1.5B model, more than a 4 GiB card has
-    # spare). Common-subexpression elimination of the joint forward-backward graph would merge the two
+    # model's worth over a step without checkpointing, more than a 4 GiB card has spare). Common-subexpression elimination of the joint forward-backward graph would merge the two
     # dequantisations into one whose output the forward then saves; without it the backward keeps its own.
     import torch._functorch.config
 
@@ -216,9 +215,8 @@ def compile_settings() -> None:
     # Under DDP, dynamo's DDPOptimizer cuts every compiled graph where a gradient bucket fills, so that each
     # bucket's all-reduce can start before the rest of the backward. The layers are compiled one by one, so DDP
     # already gets each layer's gradients as soon as its backward ends; the cut only split every layer into two
-    # graphs (its first bucket holds 1 MB, a 1.5B model's LoRA layer ~2.6 MB): twice the compiled-graph calls per
-    # step, host time that a launch-bound step pays in full (reports/gpu/bench_flash_profile.log), and 6.6 GiB
-    # more peak memory per GPU (reports/gpu/ddp_layers_unsplit.json: 27.38 split, 20.75 GiB unsplit).
+    # graphs (its first bucket is smaller than one LoRA layer's gradients): twice the compiled-graph calls per
+    # step, host time that a launch-bound step pays in full, and more peak memory per GPU (docs/history.md).
     torch._dynamo.config.optimize_ddp = False
 
 
@@ -281,19 +279,27 @@ def register_cpu_dequantize(dequantize) -> None:
         torch.library.register_kernel("bitsandbytes::dequantize_4bit", "cpu", dequantize)
 
 
-def keep_cpu_inference_layout(model) -> int:
-    """bitsandbytes 0.50: keep its Linear4bit layers whose input size is not a whole number of blocks out of the CPU
-    inference repacking (AVX-512 bf16 CPUs, eval mode), which cannot reshape them; returns how many."""
+def _keep_out_of_cpu_repacking(model, partial_blocks_only: bool) -> int:
+    """bitsandbytes 0.50: turn off the AVX-512 bf16 inference repacking of Linear4bit layers (all of them, or those
+    whose input size is not a whole number of quantisation blocks); returns how many were turned off."""
     from bitsandbytes.nn import Linear4bit
 
     kept = 0
     for module in model.modules():
-        state = getattr(getattr(module, "weight", None), "quant_state", None)
-        if isinstance(module, Linear4bit) and state is not None and module.in_features % state.blocksize:
-            if getattr(module, "support_avx512bf16_for_cpu", False):
-                module.support_avx512bf16_for_cpu = False
-                kept += 1
+        if not isinstance(module, Linear4bit) or not getattr(module, "support_avx512bf16_for_cpu", False):
+            continue
+        state = getattr(module.weight, "quant_state", None)
+        if partial_blocks_only and (state is None or not module.in_features % state.blocksize):
+            continue
+        module.support_avx512bf16_for_cpu = False
+        kept += 1
     return kept
+
+
+def keep_cpu_inference_layout(model) -> int:
+    """bitsandbytes 0.50: keep its Linear4bit layers whose input size is not a whole number of blocks out of the CPU
+    inference repacking (AVX-512 bf16 CPUs, eval mode), which cannot reshape them; returns how many."""
+    return _keep_out_of_cpu_repacking(model, partial_blocks_only=True)
 
 
 def keep_training_layout(model) -> int:
@@ -303,14 +309,7 @@ def keep_training_layout(model) -> int:
     runs in eval mode without gradients (an evaluation between training steps) and never packs it back: every later
     training step then runs the inference kernel, whose in-place bias add on a tensor that needs its gradient raises
     "a view of a leaf Variable that requires grad is being used in an in-place operation"."""
-    from bitsandbytes.nn import Linear4bit
-
-    kept = 0
-    for module in model.modules():
-        if isinstance(module, Linear4bit) and getattr(module, "support_avx512bf16_for_cpu", False):
-            module.support_avx512bf16_for_cpu = False
-            kept += 1
-    return kept
+    return _keep_out_of_cpu_repacking(model, partial_blocks_only=False)
 
 
 # ---- transformers 5.17 / bitsandbytes 0.50 / accelerate 1.15: FSDP's one host copy (freetune.model) -----------------

@@ -213,7 +213,7 @@ class Plan:
     max_length: int = 1024      # tokens per row; longer rows are cut
     lora_dtype: str = "float32"
     policy: str = ""            # "turing" | "ampere" | "cpu"
-    batching: str = "padded"    # "padding_free" | "grouped" | "padded" (freetune.fast)
+    batching: str = "padded"    # "padding_free" | "grouped" | "padded" (freetune.batching)
     sampler: str = "random"     # "random" | "length_grouped" | "rank_balanced": rows per rank and micro-batch
     gradient_checkpointing: bool = True  # recompute activations in the backward (chosen by memory when "auto")
     lora_kernel: str = "peft"   # "fused" (freetune.kernels: one autograd node per 4-bit LoRA layer) | "peft"

@@ -20,7 +20,8 @@ import time
 import warnings
 from pathlib import Path
 
-from freetune import checkpoint, fast, kernels, overrides, params, tracking
+from freetune import checkpoint, fast, kernels, overrides, tracking
+from freetune import params as param_rules  # not `params`: make_config takes a recipe's parameters under that name
 from freetune.batching import PAD_TO
 from freetune.choices import choose_optimizer
 from freetune.console import duration
@@ -90,7 +91,7 @@ def _sft_config(paths: Paths, plan: Plan, *, max_steps: int, learning_rate: floa
                             f"lost while the newest one is written still leaves a complete one to resume from.")
     # The parameters cell was checked against the same rules; library callers get the same messages here
     # (max_steps aside: -1 with num_epochs trains by epochs).
-    params.require(grad_accum=grad_accum, learning_rate=learning_rate, max_length=max_length,
+    param_rules.require(grad_accum=grad_accum, learning_rate=learning_rate, max_length=max_length,
                    max_grad_norm=max_grad_norm, logging_steps=logging_steps, save_steps=save_steps, seed=seed)
     if gradient_checkpointing is None:
         gradient_checkpointing = plan.gradient_checkpointing

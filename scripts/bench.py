@@ -549,8 +549,9 @@ def seen_estimate(plan, shape: ModelShape, tokens: int) -> float | None:
 
 def apply_experiments(experiments: dict, shape: ModelShape, local_rank: int) -> None:
     """The experiments a --variants run asks for that change freetune's path itself (before the model loads):
-    cpp_wrapper, dense_head, no_packed_check, pin_cores, liger. This worker process runs one
-    configuration, so what they patch is patched for it only."""
+    cpp_wrapper, dense_head, no_packed_check, pin_cores, byte_masks, liger. A GPU worker process runs one
+    configuration, so what they patch is patched for it only (a --tiny run without --spawn runs every job in one
+    process: its patches stay for the runs after it)."""
     import torch
 
     if experiments.get("pin_cores"):

@@ -82,12 +82,11 @@ def embedded_parameters(recipe: str) -> dict:
 
 def failing_cell(notebook_path: Path) -> str:
     import nbformat
-    from papermill.execute import ERROR_MARKER_TAG
+    from papermill.execute import remove_error_markers
 
-    nb = nbformat.read(notebook_path, as_version=4)
     # Numbered as the progress lines number them: without the marker cells papermill adds around an error.
-    cells = [cell for cell in nb.cells if ERROR_MARKER_TAG not in cell.metadata.get("tags", [])]
-    for index, cell in enumerate(cells):
+    nb = remove_error_markers(nbformat.read(notebook_path, as_version=4))
+    for index, cell in enumerate(nb.cells):
         for output in cell.get("outputs", []):
             if output.get("output_type") == "error":
                 return (f"cell {index} (`{first_statement(cell)[:70]}`) failed: {output.get('ename')}: "

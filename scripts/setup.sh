@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up a fresh machine for freetune development: a .venv with torch and every extra.
-# Idempotent: a second run only checks. Used by the README's two commands and by .ci/run.
+# Idempotent: a second run only checks. Used by the README's two commands and by .ci/run (and, with VENV set to
+# another folder, by .ci/newest).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -13,12 +14,13 @@ if ! ldconfig -p 2>/dev/null | grep -q libcairo.so.2; then
     fi
 fi
 
-if [ ! -x .venv/bin/python ]; then
-    python3 -m venv .venv
+venv="${VENV:-.venv}"
+if [ ! -x "$venv/bin/python" ]; then
+    python3 -m venv "$venv"
 fi
-.venv/bin/python -m pip install -q --upgrade pip
+"$venv/bin/python" -m pip install -q --upgrade pip
 # torch first, the version CI tests. From PyPI on Linux that is the CUDA build (it runs on a CPU, with several GB of
 # nvidia-* packages); TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu gets the CPU-only build instead.
-.venv/bin/python -m pip install -q "torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
-.venv/bin/python -m pip install -q -e ".[train,tasks,logging,dev]"
-.venv/bin/python -c "import freetune, torch, transformers, trl, peft, bitsandbytes; print('ready: torch', torch.__version__, '| transformers', transformers.__version__, '| trl', trl.__version__, '| freetune', freetune.__version__)"
+"$venv/bin/python" -m pip install -q "torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
+"$venv/bin/python" -m pip install -q -e ".[train,tasks,logging,dev]"
+"$venv/bin/python" -c "import freetune, torch, transformers, trl, peft, bitsandbytes; print('ready: torch', torch.__version__, '| transformers', transformers.__version__, '| trl', trl.__version__, '| freetune', freetune.__version__)"

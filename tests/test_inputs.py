@@ -6,11 +6,11 @@ from pathlib import Path
 import datasets
 import pytest
 
+from conftest import REPO
 from freetune import audit, data, model, params
 from freetune.errors import FreetuneError
 from freetune.preflight import make_plan
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 def write_jsonl(path, rows):
@@ -48,6 +48,16 @@ def test_latin1_file_is_named_with_its_line(tmp_path):
     path.write_bytes("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode("latin-1"))
     # datasets reads such a file without complaint and fails later, at the first row it decodes, naming nothing.
     with pytest.raises(FreetuneError, match=r"latin1\.jsonl' is not UTF-8 text: line 2 has the byte 0xe9.*iconv"):
+        data.load_rows(str(path))
+
+
+def test_a_latin1_byte_deep_in_a_large_file_is_found_too(tmp_path):
+    """The check reads the whole file, not only until its first text (it reads in 1 MiB chunks)."""
+    path = tmp_path / "big.jsonl"
+    good = json.dumps({"prompt": "Draw a house", "completion": "<svg/>"}) + "\n"
+    lines = 2**21 // len(good)
+    path.write_bytes(good.encode() * lines + '{"prompt": "Caf\u00e9", "completion": "<svg/>"}\n'.encode("latin-1"))
+    with pytest.raises(FreetuneError, match=rf"big\.jsonl' is not UTF-8 text: line {lines + 1} has the byte 0xe9"):
         data.load_rows(str(path))
 
 
@@ -312,7 +322,7 @@ def test_the_bundled_samples_are_regenerated_byte_for_byte(tmp_path):
     import freetune
 
     subprocess.run([sys.executable, "scripts/make_sample_data.py", "--out", str(tmp_path)], check=True,
-                   capture_output=True, cwd=Path(freetune.__file__).parents[1])
+                   capture_output=True, cwd=REPO)
     bundled = Path(freetune.__file__).parent / "sample_data"
     names = sorted(p.name for p in bundled.glob("*.jsonl"))
     assert names == ["alpaca_sample.jsonl", "home_assistant_sample.jsonl", "multiturn_sample.jsonl",
@@ -346,12 +356,9 @@ def test_the_audit_reads_every_bundled_shape(sample, shape, tiny_model_dir):
 
 
 def test_the_readme_says_which_shapes_are_read():
-    import freetune
-
-    root = Path(freetune.__file__).parents[1]
-    readme = (root / "README.md").read_text()
+    readme = (REPO / "README.md").read_text()
     section = readme.split("**Data as it comes.**", 1)[1].split("**Base models.**", 1)[0]
     for shape in ("`messages`", "`conversations`", "`prompt`, `completion`", "`instruction`", "`output`"):
         assert shape in section, shape
-    for sample in (root / "freetune" / "sample_data").glob("*.jsonl"):
+    for sample in (REPO / "freetune" / "sample_data").glob("*.jsonl"):
         assert f"`{sample.name}`" in section, sample.name

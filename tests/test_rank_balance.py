@@ -1,7 +1,7 @@
 """No rank waits for another at the all-reduce (issue 8): each optimizer step's rows are dealt out by length.
 
 Under DDP (and FSDP) every rank waits at each optimizer step for the rank with the most tokens. freetune's
-RankBalancedSampler (freetune.fast) gives every rank the same number of tokens to within one row, keeps every
+RankBalancedSampler (freetune.sampler) gives every rank the same number of tokens to within one row, keeps every
 micro-batch at the planned number of rows, and takes the same rows per optimizer step whatever the number of
 ranks. Checked on the sampler itself over realistic row lengths, and through the Trainer under torchrun (gloo).
 """

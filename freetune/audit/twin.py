@@ -1,7 +1,7 @@
 """Tokenising fast and exactly: a tiktoken twin of the tokenizer, used only once it has given the tokenizer's own ids.
 
-Tokenising is most of the audit's work (100,000 SVG rows are ~40M tokens). Qwen's and Llama 3's tokenizers are
-byte-level BPE with a regex pre-split, which tiktoken runs 4-5x faster than the tokenizer's own backend, so the
+Tokenising is most of the audit's work. Qwen's and Llama 3's tokenizers are byte-level BPE with a regex pre-split,
+which tiktoken runs several times faster than the tokenizer's own backend (scripts/bench_audit.py times it), so the
 audit builds a tiktoken twin of the tokenizer and uses it once it has produced exactly the tokenizer's ids on the
 first rows and a probe string; any other tokenizer (or no tiktoken installed) goes through the tokenizer in
 batches.
@@ -52,9 +52,8 @@ def _split_pattern(pre_tokenizer: dict | None) -> str | None:
 def tiktoken_twin(tokenizer):
     """(a tiktoken Encoding with this tokenizer's vocabulary and split rules, why) or (None, why not).
 
-    Qwen's and Llama 3's tokenizers are byte-level BPE with a regex pre-split, which tiktoken runs 4-5x faster
-    than transformers' tokenizer (its regex engine is the difference). The audit uses the twin only after it
-    produced exactly the tokenizer's ids on the audited rows themselves (see _Encoder).
+    The audit uses the twin only after it produced exactly the tokenizer's ids on the audited rows themselves (see
+    _Encoder).
     """
     try:
         import tiktoken

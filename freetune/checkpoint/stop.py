@@ -11,7 +11,7 @@ import time
 from contextlib import contextmanager
 
 from freetune.distributed import print0
-from freetune.errors import FreetuneError
+from freetune import params
 
 # The platform limit minus this: time for the final save, the evaluation and the export after training.
 BUDGET_MARGIN_MIN = 60
@@ -21,9 +21,7 @@ def time_budget(minutes: float, platform: str) -> tuple[float | None, str]:
     """(seconds or None, why): minutes > 0 is the user's budget; 0 is the platform's limit minus a margin."""
     from freetune.platform import PLATFORMS
 
-    if minutes < 0:
-        raise FreetuneError(f"time_budget_min = {minutes} is negative. Set it to the minutes training may run, or 0 "
-                            f"for the platform's default (its session limit minus {BUDGET_MARGIN_MIN} min).")
+    params.require(time_budget_min=minutes)
     if minutes > 0:
         return minutes * 60, f"{minutes:g} min (time_budget_min)"
     limit_h = PLATFORMS[platform].time_limit_h if platform in PLATFORMS else None

@@ -171,7 +171,7 @@ def _merge_device(device: str, vram_free: int, vram_needed: int, gpu_index: int)
         return device, "asked for", [
             f"Merging on the GPU needs about {size_text(vram_needed)} of GPU memory; {size_text(vram_free)} is free. "
             f"Use device='cpu' (or 'auto'), or free the GPU first: delete the training model (`del model, trainer; "
-            f"gc.collect(); torch.cuda.empty_cache()`) or restart."]
+            f"freetune.resources.release_memory()`) or restart."]
     return device, "asked for", []
 
 
@@ -229,13 +229,13 @@ def merge(base: str | None, adapter_dir: str | Path, out_dir: str | Path, *, dty
         shutil.rmtree(partial, ignore_errors=True)
         hint = ""
         if "out of memory" in str(exc).lower() or isinstance(exc, MemoryError):
-            hint = ("Out of memory: free the GPU first (delete the training model and trainer, gc.collect(), "
-                    "torch.cuda.empty_cache()), or merge with device='cpu' on a machine with more RAM.\n")
+            hint = ("Out of memory: free the GPU first (`del model, trainer; freetune.resources.release_memory()`), "
+                    "or merge with device='cpu' on a machine with more RAM.\n")
         raise FreetuneError(f"The merge failed: {redact(str(exc))[:500]}\n{hint}Nothing was written to {out}; the "
                             f"adapter is safe at {adapter}.") from exc
     finally:
         del model
         resources.release_memory()
     partial.rename(out)
-    print(f"Merged model: {out} ({size_text(sum(f.stat().st_size for f in out.iterdir()))})", flush=True)
+    print(f"Merged model: {out} ({size_text(resources.folder_bytes(out))})", flush=True)
     return out
