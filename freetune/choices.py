@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from freetune.errors import FreetuneError
-from freetune.fast import POLICY_BACKENDS, VARLEN_ATTENTION, varlen_backend, varlen_works
+from freetune.fast import POLICY_BACKENDS, VARLEN_ATTENTION, VARLEN_KERNEL_NAMES, varlen_backend, varlen_works
 from freetune.memory import ModelShape, estimate
 
 if TYPE_CHECKING:
@@ -263,6 +263,21 @@ def choose_compile(compile_layers: str, device: str, layout: str) -> tuple[bool,
                   "fewer launches and less activation memory; the first steps compile (a minute or two)")
 
 
+def this_gpu() -> int:
+    """This process's GPU (under torchrun, LOCAL_RANK's), where the varlen kernel is probed and its choice kept:
+    probing GPU 0 from every rank would put a CUDA context on it for each of them."""
+    import torch
+
+    return torch.cuda.current_device() if torch.cuda.is_available() else 0
+
+
+def varlen_attention_reason() -> str:
+    """The plan's attention reason once padding-free batching chose freetune's varlen attention."""
+    return (f"padding-free rows through PyTorch's variable-length "
+            f"{VARLEN_KERNEL_NAMES.get(varlen_backend(this_gpu()), 'attention')} kernel (freetune.fast); anything "
+            f"else through sdpa")
+
+
 def choose_batching(policy: str, gpus_capability: list[tuple[int, int]], micro_batch: int) -> tuple[str, str, str]:
     """(batching, attn_implementation or "" to keep the plan's, why) for a policy ('turing', 'ampere', 'cpu')."""
     if micro_batch <= 1:
@@ -273,15 +288,10 @@ def choose_batching(policy: str, gpus_capability: list[tuple[int, int]], micro_b
         # CPU sdpa would also compute a packed row's dense block-diagonal mask in full, as on a T4.
         return "padded", "", "a CPU run is a check: the plain stack's padded batches, same rows, same dropout draws"
     if policy in POLICY_BACKENDS and gpus_capability:
-        import torch
-
-        # This process's GPU (under torchrun, LOCAL_RANK's): probing GPU 0 from every rank would put a CUDA
-        # context on it for each of them.
-        ok, why = varlen_works(torch.cuda.current_device() if torch.cuda.is_available() else 0, policy)
+        ok, why = varlen_works(this_gpu(), policy)
         if ok:
             kernel = ("the memory-efficient variable-length attention kernel, which a T4 (sm75) runs too,"
-                      if varlen_backend(torch.cuda.current_device() if torch.cuda.is_available() else 0) ==
-                      "efficient" else "variable-length FlashAttention")
+                      if varlen_backend(this_gpu()) == "efficient" else "variable-length FlashAttention")
             return ("padding_free", VARLEN_ATTENTION,
                     f"rows concatenated (padded to a multiple of 8 tokens only); {kernel} keeps them apart ({why})")
         return ("grouped", "", f"padded batches of similar length, little padding (no padding-free kernel: {why})")

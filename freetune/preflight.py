@@ -29,9 +29,10 @@ from freetune import resources
 from freetune.choices import (choose_attention, choose_batching, choose_budget,
                               choose_checkpoint_every, choose_checkpointing, choose_compile, choose_frozen_dtype,
                               choose_layout, choose_lora_kernel, choose_offload, choose_optimizer, choose_policy,
-                              choose_precision, choose_sampler, resolve_policy, resolve_shape)
+                              choose_precision, choose_sampler, resolve_policy, resolve_shape,
+                              varlen_attention_reason)
 from freetune.errors import FreetuneError
-from freetune.fast import VARLEN_ATTENTION, VARLEN_KERNEL_NAMES, varlen_backend
+from freetune.fast import VARLEN_ATTENTION
 from freetune.memory import GIB, MemoryEstimate, ModelShape, estimate, fit
 
 # What to pick instead of a GPU the installed PyTorch cannot run, where people meet one (Kaggle's P100).
@@ -557,9 +558,7 @@ def _batching_step(plan: Plan, hardware: Hardware, sizing: _Sizing) -> None:
                                                            max(plan.world_size, hardware.torchrun_world_size or 1))
     if attention == VARLEN_ATTENTION:
         plan.attn_implementation = VARLEN_ATTENTION
-        plan.reasons["attention"] = (f"padding-free rows through PyTorch's variable-length "
-                                     f"{VARLEN_KERNEL_NAMES.get(varlen_backend(), 'attention')} kernel "
-                                     f"(freetune.fast); anything else through sdpa")
+        plan.reasons["attention"] = varlen_attention_reason()
     if plan.world_size > 1:
         plan.reasons["batch"] += (f"; {plan.world_size} GPUs x {plan.micro_batch} x {plan.grad_accum} rows per "
                                   f"optimizer step")
