@@ -61,7 +61,10 @@ def parse_parameters(pairs: list[tuple[str, str]], base: Path | None = None) -> 
     parameters = {name: parse_value(value) for name, value in pairs}
     for name in PATH_PARAMETERS:
         value = parameters.get(name)
-        if not isinstance(value, str) or not value or Path(value).expanduser().is_absolute():
+        if not isinstance(value, str) or not value:
+            continue
+        if Path(value).expanduser().is_absolute():  # "~/runs" too: the summary is read back from that folder here
+            parameters[name] = str(Path(value).expanduser())
             continue
         local = base / value
         # A hub id ("user/name") stays as it is unless a folder of that name is here.

@@ -2,6 +2,7 @@
 rerun that says it trained nothing, relative paths from the caller's folder, the README's papermill line, and no
 noise of ours in the first run."""
 
+from pathlib import Path
 import json
 import os
 import re
@@ -65,6 +66,8 @@ def test_relative_paths_are_taken_from_the_caller_s_folder(tmp_path):
     assert parse_parameters([("dataset", "./missing.jsonl")], base=tmp_path)["dataset"] == str(
         tmp_path / "missing.jsonl")
     assert parse_parameters([("dataset", "/abs/rows.jsonl")], base=tmp_path)["dataset"] == "/abs/rows.jsonl"
+    # ~ is the caller's home, as the shell would expand it (run_recipe reads the run's summary back from there).
+    assert parse_parameters([("output_dir", "~/runs")], base=tmp_path)["output_dir"] == str(Path.home() / "runs")
 
 
 def test_a_relative_data_file_is_read_from_the_caller_s_folder_and_checked_before_the_model(tmp_path):
