@@ -66,24 +66,38 @@ def test_an_unreachable_hub_fails_at_once_saying_what_to_change(call):
     assert "Retry" not in result.stdout + result.stderr  # no retries: one check, one message
 
 
-def test_the_trainers_token_alignment_notice_is_dropped_and_nothing_else():
+def what_is_logged(logger_name: str, *messages: str) -> list[str]:
+    """The messages that reach a handler of `logger_name` once freetune is imported (its filters installed)."""
     import logging
 
-    import freetune  # noqa: F401  (installs the filter)
-    import transformers.trainer_utils
+    import freetune  # noqa: F401  (the filters are installed on import)
 
-    got = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            got.append(record.getMessage())
-
-    handler = Keep()
-    transformers.trainer_utils.logger.addHandler(handler)
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger = logging.getLogger(logger_name)
+    logger.addHandler(handler)
     try:
-        transformers.trainer_utils.logger.warning("The tokenizer has new PAD/BOS/EOS tokens that differ from the model "
-                                                  "config and generation config. Updated tokens: {'bos_token_id': None}.")
-        transformers.trainer_utils.logger.warning("another warning")
+        for message in messages:
+            logger.warning(message)
     finally:
-        transformers.trainer_utils.logger.removeHandler(handler)
-    assert got == ["another warning"]
+        logger.removeHandler(handler)
+    return seen
+
+
+def test_bitsandbytes_optional_kernel_warning_is_dropped_and_nothing_else():
+    # The call bitsandbytes 0.50 makes on AVX-512 bf16 CPUs without the `kernels` package, then another one.
+    assert what_is_logged("bitsandbytes.backends.cpu.ops",
+                          "Failed to load CPU gemm_4bit_forward from kernels-community: No module named 'kernels'. "
+                          "Please make sure you already `pip install kernels` and the kernels >= 0.11.1",
+                          "some other bitsandbytes warning") == ["some other bitsandbytes warning"]
+    # And in a fresh process, as a recipe imports them (on a CPU without AVX-512 bf16 the line never comes).
+    done = python("import freetune, bitsandbytes")
+    assert done.returncode == 0 and "gemm_4bit_forward" not in done.stderr
+
+
+def test_the_trainers_token_alignment_notice_is_dropped_and_nothing_else():
+    assert what_is_logged("transformers.trainer_utils",
+                          "The tokenizer has new PAD/BOS/EOS tokens that differ from the model config and generation "
+                          "config. Updated tokens: {'bos_token_id': None}.",
+                          "another warning") == ["another warning"]

@@ -2,7 +2,6 @@
 rerun that says it trained nothing, relative paths from the caller's folder, the README's papermill line, and no
 noise of ours in the first run."""
 
-from pathlib import Path
 import json
 import os
 import re
@@ -10,6 +9,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import REPO, run_recipe
@@ -95,29 +95,6 @@ def test_the_readme_papermill_command_runs_as_written_and_refuses_a_misspelled_p
     assert "-- cell" not in result.stderr  # plain papermill: no run_recipe in between
     assert (tmp_path / "papermill" / "svg_coder.ipynb").exists()
     assert not list(tmp_path.glob("papermill/freetune-runs/*/data/train")), "stopped before the data was read"
-
-
-def test_bitsandbytes_optional_kernel_warning_is_dropped_and_nothing_else():
-    import logging
-
-    import freetune  # noqa: F401  (the filter is installed on import)
-
-    seen = []
-    handler = logging.Handler()
-    handler.emit = lambda record: seen.append(record.getMessage())
-    logger = logging.getLogger("bitsandbytes.backends.cpu.ops")
-    logger.addHandler(handler)
-    try:
-        # The call bitsandbytes 0.50 makes on AVX-512 bf16 CPUs without the `kernels` package, then another one.
-        logger.warning("Failed to load CPU gemm_4bit_forward from kernels-community: %s. Please make sure you already "
-                       "`pip install kernels` and the kernels >= 0.11.1", "No module named 'kernels'")
-        logger.warning("some other bitsandbytes warning")
-    finally:
-        logger.removeHandler(handler)
-    assert seen == ["some other bitsandbytes warning"]
-    # And in a fresh process, as a recipe imports them (on a CPU without AVX-512 bf16 the line never comes).
-    done = subprocess.run([sys.executable, "-c", "import freetune, bitsandbytes"], capture_output=True, text=True)
-    assert done.returncode == 0 and "gemm_4bit_forward" not in done.stderr
 
 
 def test_building_the_tiny_model_prints_no_deprecation(tmp_path, tiny_model_dir):

@@ -15,17 +15,13 @@ deletes it and never loads it. What a kill at each point of a save leaves behind
 Old checkpoints are rotated out only after the new one's marker is written, and only complete ones count, so
 there are always at least `save_total_limit` (>= 2) complete checkpoints once that many were saved.
 
-Stopping early: a time budget (default: the platform's session limit minus a margin) and SIGTERM both stop at
-the end of a step and save a complete checkpoint; under DDP the ranks agree on the step through one tiny
-all_reduce per step, or one rank would wait forever for the others at the save.
-
-Hub sync (optional): the main process uploads each complete checkpoint to a private Hub repo, in a background
-thread with retries, one commit per checkpoint (a Hub commit is all-or-nothing). When the Hub holds a newer
-complete checkpoint than the local folder (a new Colab session starts empty), the resume downloads it first.
+The files, one job each (this package re-exports their names):
+    marker.py   the completion marker, rotation, and the resume that finds the newest complete checkpoint
+    stop.py     stopping early: the time budget and SIGTERM, the ranks agreeing on the step
+    hub.py      the optional Hub sync of each complete checkpoint, and its download on resume
 """
 
-# One job per module: marker (complete-or-ignored, resume), stop (time budget, SIGTERM, the ranks' agreement),
-# hub (Hub sync); the Trainer's side of a save is freetune.trainer.FreetuneTrainer.
+# The Trainer's side of a save is freetune.trainer.FreetuneTrainer.
 from freetune.checkpoint.hub import HubSync
 from freetune.checkpoint.marker import (MARKER, agree_on_resume, check_complete, checkpoint_step, complete_checkpoints,
                                         find_resume_checkpoint, latest_complete, remove_incomplete, rotate,

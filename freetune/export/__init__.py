@@ -4,18 +4,6 @@ The order is the order of risk. The adapter (a few MB to a few hundred) is saved
 everything after it needs far more memory and disk, so each step checks what it needs before starting and says
 what will not fit, and a failure leaves the adapter where it was.
 
-- merge: the base is loaded in 16-bit, never 4-bit (merging into quantised weights rounds the LoRA update
-  away), on the GPU when a copy fits in its free memory, else on the CPU. A 7B model's merged copy is ~15 GB of
-  RAM and disk; Kaggle's working folder holds 20 GB in all.
-- GGUF: llama.cpp's own `convert_hf_to_gguf.py` writes f16 / q8_0; `llama-quantize` (compiled llama.cpp) makes
-  q4_k_m when present, else Ollama makes it from the f16 file (`ollama create -q q4_K_M -f Modelfile.f16`). The
-  converter comes from llama.cpp itself (a clone, or the copy vendored in the `llama-cpp-python` source
-  distribution on PyPI: `fetch_converter`), never from a home-made writer.
-- Ollama: a Modelfile whose TEMPLATE is the Go-template twin of the model's chat template when that is one freetune
-  trains with (freetune.templates: ChatML, Llama 3, Zephyr; checked on a probe conversation before it is written),
-  with its stop tokens and defaults.
-- Hub: rank 0 only, the token from the platform's secrets, a model card recording how the adapter was made.
-
 The files, one job each (this package re-exports what the recipes call):
     adapter.py     save the adapter, check a folder holds one, read its base model
     merging.py     plan_merge (what a 16-bit merge needs and has) and merge
