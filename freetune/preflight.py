@@ -467,14 +467,21 @@ def _memory_step(plan: Plan, sizing: _Sizing, **lora) -> None:
     plan.reasons["memory"] = f"{sizing.budget_why}; {plan.memory.breakdown()}"
 
 
+def _estimate_at(sizing: _Sizing, micro_batch: int, **changed) -> MemoryEstimate:
+    """The memory estimate at `micro_batch` rows of the sized length, with the sizing's settings (some `changed`),
+    against the plan's budget."""
+    est = estimate(sizing.shape, max_length=sizing.sized, micro_batch=micro_batch, **{**sizing.common, **changed})
+    est.budget_gib = sizing.budget
+    return est
+
+
 def _checkpointing_by_memory(plan: Plan, sizing: _Sizing) -> None:
     """"auto": off when the whole micro-batch fits without it; on, for every n-th layer only where that fits."""
     # A full micro-batch without recompute beats a bigger one with it only if it fits whole: batch size is worth more
     # tokens/s than the ~30% the recompute costs, so checkpointing goes only when both hold.
     shape, sized, budget, common = sizing.shape, sizing.sized, sizing.budget, sizing.common
     whole = sizing.micro_batch or sizing.cap
-    bare = estimate(shape, max_length=sized, micro_batch=whole, **{**common, "gradient_checkpointing": False})
-    bare.budget_gib = budget
+    bare = _estimate_at(sizing, whole, gradient_checkpointing=False)
     plan.gradient_checkpointing = not bare.fits
     common["gradient_checkpointing"] = plan.gradient_checkpointing
     plan.reasons["gradient_checkpointing"] = (
@@ -505,8 +512,7 @@ def _fit_batch(plan: Plan, sizing: _Sizing) -> None:
                                  f"fits in {budget:.1f} GiB: longer rows are cut")
         return
     fitted_batch, fitted_length, _, _ = fit(shape, budget, max_length=sized, max_micro_batch=asked, **common)
-    plan.memory = estimate(shape, max_length=sized, micro_batch=asked, **common)
-    plan.memory.budget_gib = budget
+    plan.memory = _estimate_at(sizing, asked)
     plan.reasons["batch"] = f"micro_batch {asked} as given; ~{plan.memory.total_gib:.1f} GiB for {shape.name}"
     if not plan.memory.fits:
         advice = (f"use micro_batch={fitted_batch} with grad_accum={sizing.rows_per_gpu_step // fitted_batch} "
@@ -520,8 +526,7 @@ def _shard_if_needed(plan: Plan, sizing: _Sizing, warnings_before: int) -> None:
     """FSDP when asked, or when several GPUs cannot each hold one full copy and one row (DDP): each GPU then holds 1/N
     of the weights, the LoRA gradients and the optimizer state."""
     shape, sized, budget, common, asked = sizing.shape, sizing.sized, sizing.budget, sizing.common, sizing.micro_batch
-    one_row = estimate(shape, max_length=sized, micro_batch=1, **common)
-    one_row.budget_gib = budget
+    one_row = _estimate_at(sizing, 1)
     world = plan.world_size
     if not (plan.layout == "fsdp" or (sizing.layout_asked == "auto" and plan.layout == "ddp" and world > 1
                                       and not one_row.fits)):
@@ -534,8 +539,7 @@ def _shard_if_needed(plan: Plan, sizing: _Sizing, warnings_before: int) -> None:
         plan.micro_batch, plan.max_length, plan.memory, why = fit(shape, budget, max_length=sized,
                                                                   max_micro_batch=sizing.cap, **common)
     else:
-        plan.memory = estimate(shape, max_length=sized, micro_batch=asked, **common)
-        plan.memory.budget_gib = budget
+        plan.memory = _estimate_at(sizing, asked)
         why = f"micro_batch {asked} as given; ~{plan.memory.total_gib:.1f} of {budget:.1f} GiB"
     plan.reasons["batch"] = f"{shape.name} sharded over {world} GPU(s): {why}"
     if plan.layout != "fsdp":
