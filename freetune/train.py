@@ -92,7 +92,7 @@ def _sft_config(paths: Paths, plan: Plan, *, max_steps: int, learning_rate: floa
     # The parameters cell was checked against the same rules; library callers get the same messages here
     # (max_steps aside: -1 with num_epochs trains by epochs).
     param_rules.require(grad_accum=grad_accum, learning_rate=learning_rate, max_length=max_length,
-                   max_grad_norm=max_grad_norm, logging_steps=logging_steps, save_steps=save_steps, seed=seed)
+                        max_grad_norm=max_grad_norm, logging_steps=logging_steps, save_steps=save_steps, seed=seed)
     if gradient_checkpointing is None:
         gradient_checkpointing = plan.gradient_checkpointing
     config = SFTConfig(

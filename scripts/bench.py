@@ -312,10 +312,8 @@ def run_one(job: dict) -> dict:
 
     model.register_forward_pre_hook(count_tokens, with_kwargs=True)
     config = freetune.train.make_config(
-        paths, plan, max_steps=total_steps + (1 if job.get("profile") else 0), micro_batch=plan.micro_batch,
-        grad_accum=plan.grad_accum,
-        learning_rate=1e-4, max_length=job["max_length"], optimizer=plan.optimizer,
-        logging_steps=job.get("logging_steps", 1),
+        paths, plan, max_steps=total_steps + (1 if job.get("profile") else 0),  # the plan's batch and optimizer
+        learning_rate=1e-4, max_length=job["max_length"], logging_steps=job.get("logging_steps", 1),
         save_steps=100_000, seed=0)
     ddp_experiment_callbacks = apply_ddp_experiments(experiments, config)
     timer = _timer_class()(job["warmup"], job["steps"], cuda, ctx.rank)
