@@ -249,6 +249,28 @@ def choose_lora_kernel(device: str, layout: str) -> tuple[str, str]:
                      "small model is bound by kernel launches, not by the GPU's arithmetic")
 
 
+def choose_mlp_kernel(shape, budget_gib: float, max_length: int, micro_batch: int, common: dict) -> tuple[str, str]:
+    """(MLP kernel, why): "chunked" (freetune.fused_mlp: the SwiGLU MLP as one op over token chunks, its backward's
+    intermediate tensors chunk-sized) only where every layer is checkpointed and not even one row of max_length fits
+    without it, so that rows are not cut; "layers" (each projection a fused LoRA layer, compiled with the rest of the
+    layer) otherwise. Measured under a 4 GiB cap (docs/performance.md): the chunked op at the full micro-batch ran at
+    less than half the tokens/s of the per-projection MLP and slower than it at half the micro-batch, whose peak was
+    lower too: a smaller batch is the cheaper way to save memory while a row fits."""
+    if common.get("lora_kernel") != "fused":
+        return "layers", "the chunked MLP runs over fused LoRA layers only"
+    if not common.get("gradient_checkpointing") or common.get("checkpoint_every", 1) > 1:
+        return "layers", "not every layer is checkpointed: there is memory to spare"
+    settings = {**common, "mlp_kernel": "layers"}
+    one_row = estimate(shape, max_length=max_length, micro_batch=1, **settings)
+    if one_row.total_gib <= budget_gib:
+        return "layers", (f"a row of {max_length} tokens fits with it (~{one_row.total_gib:.1f} of {budget_gib:.1f} GiB "
+                          f"at one row; the batch is sized below); chunking the MLP would save memory at a slower step")
+    chunked = estimate(shape, max_length=max_length, micro_batch=1, **{**settings, "mlp_kernel": "chunked"})
+    return "chunked", (f"one row of {max_length} tokens needs ~{one_row.total_gib:.1f} GiB with the per-projection MLP, "
+                       f"~{chunked.total_gib:.1f} with its backward in chunks of tokens (freetune.fused_mlp), "
+                       f"of {budget_gib:.1f} GiB: rows need not be cut")
+
+
 def choose_compile(compile_layers: str, device: str, layout: str) -> tuple[bool, str]:
     """(compile each decoder layer?, why) for the plan; compile_layers is "auto", "on" or "off"."""
     if compile_layers not in ("auto", "on", "off"):

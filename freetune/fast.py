@@ -190,8 +190,41 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
         max_len = kwargs.get("max_length_q") or int(cu.diff().max())
         out = _varlen_call(q, k, v, cu.to(device=q.device, dtype=torch.int32), int(max_len), scaling, backend)
         return out.unsqueeze(0), None  # (1, tokens, heads, dim), as sdpa_attention_forward returns
+    if attention_mask is None and query.shape[0] == 1 and query.shape[2] > 1:
+        attention_mask = rows_mask(kwargs.get("position_ids"), query.shape[2], query.device)  # varlen_mask skipped it
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   is_causal=is_causal, **kwargs)
+
+
+def rows_mask(position_ids, tokens: int, device):
+    """The block-diagonal causal mask (1, 1, tokens, tokens) of one padding-free sequence whose positions restart at 0
+    for each row (TRL's and AlignedPaddingFree's), for sdpa where varlen_mask left it out; None without positions (then
+    one row: sdpa's is_causal is right)."""
+    import torch
+
+    if position_ids is None:
+        return None
+    row = (position_ids[0] == 0).cumsum(0)
+    causal = torch.ones(tokens, tokens, dtype=torch.bool, device=device).tril_()
+    return (causal & (row[:, None] == row[None, :]).to(device))[None, None]
+
+
+def varlen_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                attention_mask=None, device="cpu", **kwargs):
+    """freetune_varlen's mask function (transformers' AttentionMaskInterface): none at all for a training batch of one
+    padding-free sequence on a GPU whose variable-length kernel was chosen (the kernel reads the rows' boundaries;
+    transformers' dense block-diagonal mask, tokens x tokens, would stay alive for every checkpointed layer unread);
+    sdpa's mask for everything else. Where a layer still falls back to sdpa, varlen_attention_forward rebuilds the mask
+    from the positions (rows_mask)."""
+    import torch
+    from transformers.masking_utils import sdpa_mask
+
+    place = torch.device(device)
+    if (attention_mask is None and batch_size == 1 and q_offset == 0 and kv_offset == 0 and q_length == kv_length
+            and place.type == "cuda" and varlen_backend(place.index or 0) and torch.is_grad_enabled()):
+        return None
+    return sdpa_mask(batch_size, q_length, kv_length, q_offset=q_offset, kv_offset=kv_offset,
+                     attention_mask=attention_mask, device=device, **kwargs)
 
 
 def kernel_dtype(query):
@@ -216,12 +249,12 @@ def kernel_dtype(query):
 def register_attention() -> str:
     """Register freetune's attention with transformers (idempotent); returns its attn_implementation name.
 
-    Its mask is sdpa's: correct for padded, packed and plain batches alike (the varlen kernel ignores it)."""
+    Its mask is sdpa's, except for a padding-free training batch on a GPU with a variable-length kernel (varlen_mask)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(VARLEN_ATTENTION, varlen_attention_forward)
-    AttentionMaskInterface.register(VARLEN_ATTENTION, sdpa_mask)
+    AttentionMaskInterface.register(VARLEN_ATTENTION, varlen_mask)
     return VARLEN_ATTENTION
 
 

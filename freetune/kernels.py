@@ -86,8 +86,10 @@ def pack_mask(kept):
     bits = kept.to(torch.uint8)
     if pad:
         bits = torch.nn.functional.pad(bits, (0, pad))
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=kept.device)
-    return (bits.view(tokens, -1, 8) * weights).sum(-1, dtype=torch.uint8)
+    # The bit weights made on the device (arange), not copied there from a Python list: outside a compiled graph that
+    # copy waits for the GPU (freetune.fused_mlp packs eagerly, several times per layer).
+    shifts = torch.arange(8, dtype=torch.uint8, device=kept.device)
+    return bits.view(tokens, -1, 8).bitwise_left_shift(shifts).sum(-1, dtype=torch.uint8)
 
 
 def unpack_mask(packed, n: int, dtype):
@@ -198,23 +200,32 @@ def qlora_linear(x, weight, absmax, spec, bias, lora_a, lora_b, scaling: float, 
     return fn.apply(x, lora_a, lora_b, weight, absmax, bias, spec, scaling, dropout_p)
 
 
-def _fused_forward(self, x, *args, **kwargs):
-    """Replacement forward of one peft lora.Linear4bit, bound to it by use_fused_lora (freetune.overrides.replace_forward;
-    peft 0.21: it reads the layer's adapter dicts, scaling and flags)."""
+def fused_call_args(layer, x) -> dict | None:
+    """What the fused function takes for one call of a fused peft lora.Linear4bit on `x` (peft 0.21: its adapter dicts,
+    scaling and flags), or None where its own forward must run: generation (eval mode, a few tokens per call, faster
+    through bitsandbytes' own 4-bit kernels), disabled or merged adapters, several active ones, a moved model."""
     import torch
 
-    # Generation (eval mode, a few tokens per call) is faster through bitsandbytes' own 4-bit kernels.
-    if (args or kwargs or not self.training or self.disable_adapters or self.merged
-            or len(self.active_adapters) != 1 or self.active_adapters[0] not in self.lora_A):
-        return type(self).forward(self, x, *args, **kwargs)
-    packed = self._freetune_packed
+    if (not getattr(layer, FUSED_ATTR, False) or not layer.training or layer.disable_adapters or layer.merged
+            or len(layer.active_adapters) != 1 or layer.active_adapters[0] not in layer.lora_A):
+        return None
+    packed = layer._freetune_packed
     if packed.device != x.device:  # the model was moved after use_fused_lora: peft's layer reads the moved weight
+        return None
+    name = layer.active_adapters[0]
+    dropout = layer.lora_dropout[name]
+    return dict(weight=packed, absmax=layer._freetune_absmax, spec=layer._freetune_spec, bias=layer.base_layer.bias,
+                lora_a=layer.lora_A[name].weight, lora_b=layer.lora_B[name].weight, scaling=float(layer.scaling[name]),
+                dropout_p=dropout.p if isinstance(dropout, torch.nn.Dropout) else 0.0)
+
+
+def _fused_forward(self, x, *args, **kwargs):
+    """Replacement forward of one peft lora.Linear4bit, bound to it by use_fused_lora (freetune.overrides.replace_forward)."""
+    call = None if args or kwargs else fused_call_args(self, x)
+    if call is None:
         return type(self).forward(self, x, *args, **kwargs)
-    name = self.active_adapters[0]
-    dropout = self.lora_dropout[name]
-    p = dropout.p if isinstance(dropout, torch.nn.Dropout) else 0.0
-    return qlora_linear(x, packed, self._freetune_absmax, self._freetune_spec, self.base_layer.bias,
-                        self.lora_A[name].weight, self.lora_B[name].weight, float(self.scaling[name]), p)
+    return qlora_linear(x, call["weight"], call["absmax"], call["spec"], call["bias"], call["lora_a"], call["lora_b"],
+                        call["scaling"], call["dropout_p"])
 
 
 def use_fused_lora(model) -> tuple[int, int]:

@@ -267,24 +267,48 @@ def packed_mask_saving(shape: ModelShape, lora_targets="all-linear") -> float:
     return PACKED_MASK_SAVING * sum(dims[m][0] for m in shape.lora_modules(lora_targets))
 
 
+def mlp_chunk_bytes(shape: ModelShape, compute_dtype: str = "bfloat16") -> float:
+    """Bytes one layer's backward holds through freetune.fused_mlp whatever the token count: its chunk-sized
+    intermediate tensors (MLP_CHUNK_BUFFERS of CHUNK_TOKENS x intermediate) and the three dequantised weights."""
+    from freetune.fused_mlp import CHUNK_TOKENS
+
+    width = 2 if _is_16bit(compute_dtype) else 4
+    return (MLP_CHUNK_BUFFERS * CHUNK_TOKENS + 3 * shape.hidden) * shape.intermediate * width
+
+
+# freetune.fused_mlp's backward: g, u, the activation's gradient and one more chunk-sized tensor at a time.
+MLP_CHUNK_BUFFERS = 4
+
+
 def activation_bytes_per_token(shape: ModelShape, *, lora_rank: int, lora_targets="all-linear",
                                gradient_checkpointing: bool, compute_dtype: str = "bfloat16",
                                frozen_dtype: str = "float32", offload_activations: bool = False,
-                               lora_kernel: str = "peft", compiled: bool = False, checkpoint_every: int = 1
-                               ) -> tuple[float, float]:
+                               lora_kernel: str = "peft", compiled: bool = False, checkpoint_every: int = 1,
+                               mlp_kernel: str = "layers") -> tuple[float, float]:
     """(resident, transient) bytes per token of the decoder layers: what stays alive from the forward until the layers'
     backward reaches it, and what one layer's backward adds on top (with checkpointing its recompute, too). The loss
-    head runs between the two: the peak is resident + the larger of the head and the transient part."""
+    head runs between the two: the peak is resident + the larger of the head and the transient part.
+
+    mlp_kernel "chunked" (freetune.fused_mlp): the MLP saves only its down projection's dropout mask as bits per
+    intermediate element, and its backward's intermediate tensors are chunk-sized (mlp_chunk_bytes, counted apart)."""
+    c = ACTIVATION_BYTES["16" if _is_16bit(compute_dtype) else "32"]
     per_layer = layer_activation_bytes(shape, lora_rank=lora_rank, lora_targets=lora_targets,
                                        compute_dtype=compute_dtype)
+    intermediate = c["intermediate"] * shape.intermediate  # the part of per_layer the chunked MLP does not save
     if lora_kernel == "fused":
         per_layer -= (FUSED_DROPOUT_SAVING["hidden"] * shape.hidden + FUSED_DROPOUT_SAVING["q"] * shape.q_dim
                       + FUSED_DROPOUT_SAVING["intermediate"] * shape.intermediate)
+        intermediate -= FUSED_DROPOUT_SAVING["intermediate"] * shape.intermediate
     if compiled:
         per_layer *= COMPILED_ACTIVATION_SHARE
+        intermediate *= COMPILED_ACTIVATION_SHARE
         if lora_kernel == "fused":
             per_layer -= packed_mask_saving(shape, lora_targets)
+            intermediate -= PACKED_MASK_SAVING * shape.intermediate  # the down projection's mask
     backward = BACKWARD_BYTES["hidden"] * shape.hidden + BACKWARD_BYTES["intermediate"] * shape.intermediate
+    if mlp_kernel == "chunked":
+        per_layer += shape.intermediate / 8 - intermediate
+        backward -= BACKWARD_BYTES["intermediate"] * shape.intermediate
     residual = 2 if _is_16bit(frozen_dtype) else 4
     # The embedding output and the final norm's input/output.
     outside_layers = 3 * residual * shape.hidden
@@ -320,7 +344,8 @@ def estimate(shape: ModelShape, *, max_length: int, micro_batch: int, lora_rank:
              optimizer: str = "paged_adamw_8bit", compute_dtype: str = "bfloat16", device: str = "cuda",
              world_size: int = 1, double_quant: bool = True, loss_head: str = "chunked",
              shards: int = 1, lora_kernel: str = "peft", frozen_dtype: str = "float32",
-             offload_activations: bool = False, compiled: bool = False, checkpoint_every: int = 1) -> MemoryEstimate:
+             offload_activations: bool = False, compiled: bool = False, checkpoint_every: int = 1,
+             mlp_kernel: str = "layers") -> MemoryEstimate:
     """Peak memory of one training step at micro_batch rows of max_length tokens (every row padded to it: the
     worst batch of a run decides whether it fits).
 
@@ -330,7 +355,7 @@ def estimate(shape: ModelShape, *, max_length: int, micro_batch: int, lora_rank:
     (embeddings, lm_head, final norm) and two decoder layers (the one running and the one prefetched).
 
     lora_kernel "fused" (freetune.kernels, never under FSDP): each double-quantised weight also keeps its absmax
-    values dequantised once to fp32, 4 bytes per 64 weights.
+    values dequantised once to fp32, 4 bytes per 64 weights. mlp_kernel "chunked": freetune.fused_mlp.
     """
     tokens = micro_batch * max_length
     weights_4bit = shape.quantized_params * NF4_BYTES_PER_PARAM[double_quant]
@@ -355,9 +380,10 @@ def estimate(shape: ModelShape, *, max_length: int, micro_batch: int, lora_rank:
                                                       compute_dtype=compute_dtype, frozen_dtype=frozen_dtype,
                                                       offload_activations=offload_activations,
                                                       lora_kernel=lora_kernel, compiled=compiled,
-                                                      checkpoint_every=checkpoint_every)
+                                                      checkpoint_every=checkpoint_every, mlp_kernel=mlp_kernel)
     head = loss_head_bytes(shape, tokens, compute_dtype=compute_dtype, loss_head=loss_head)
-    activations = tokens * (resident + max(0.0, transient - head / tokens))  # the head's part is counted apart
+    layer_backward = tokens * transient + (mlp_chunk_bytes(shape, compute_dtype) if mlp_kernel == "chunked" else 0)
+    activations = tokens * resident + max(0.0, layer_backward - head)  # the head's part is counted apart
     allocated = weights_4bit + other_weights + lora + optimizer_state + activations + head
     on_gpu = device == "cuda"
     total = allocated * ALLOCATOR_SLACK + CUDA_CONTEXT_GIB * GIB if on_gpu else allocated
@@ -365,7 +391,8 @@ def estimate(shape: ModelShape, *, max_length: int, micro_batch: int, lora_rank:
                     lora_targets=lora_targets, gradient_checkpointing=gradient_checkpointing, optimizer=optimizer,
                     compute_dtype=compute_dtype, device=device, world_size=world_size, loss_head=loss_head,
                     shards=shards, lora_kernel=lora_kernel, frozen_dtype=frozen_dtype,
-                    offload_activations=offload_activations, compiled=compiled, checkpoint_every=checkpoint_every)
+                    offload_activations=offload_activations, compiled=compiled, checkpoint_every=checkpoint_every,
+                    mlp_kernel=mlp_kernel)
     return MemoryEstimate(
         weights_4bit_gib=weights_4bit / GIB, other_weights_gib=other_weights / GIB, lora_gib=lora / GIB,
         optimizer_gib=optimizer_state / GIB, activations_gib=activations / GIB, loss_head_gib=head / GIB,

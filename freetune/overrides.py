@@ -261,6 +261,29 @@ def fusable(module) -> str:
     return ""
 
 
+# transformers 5.17's Llama, Qwen2, Qwen3 and Mistral MLPs: forward is down_proj(act_fn(gate_proj(x)) * up_proj(x)).
+SWIGLU_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP")
+
+
+def fusable_mlp(module) -> str | None:
+    """None when `module` is not one of transformers 5.17's SwiGLU MLPs (SWIGLU_MLPS); '' when freetune.fused_mlp can
+    stand in for its forward; else why not."""
+    import torch
+
+    if type(module).__name__ not in SWIGLU_MLPS:
+        return None
+    act = getattr(module, "act_fn", None)
+    if not (isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"):
+        return f"activation {type(act).__name__}, not SiLU"
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        base = getattr(getattr(module, name, None), "base_layer", None)
+        if base is None:
+            return f"{name} has no LoRA adapter"
+        if getattr(base, "bias", None) is not None:
+            return f"{name} has a bias"
+    return ""
+
+
 def replace_forward(module, forward) -> None:
     """peft 0.21: a LoRA layer's forward replaced on the instance; peft's own stays reachable as type(module).forward,
     which the replacement calls for everything it does not do itself."""

@@ -28,8 +28,8 @@ from dataclasses import asdict, dataclass, field, replace
 from freetune import resources
 from freetune.choices import (choose_attention, choose_batching, choose_budget,
                               choose_checkpoint_every, choose_checkpointing, choose_compile, choose_frozen_dtype,
-                              choose_layout, choose_lora_kernel, choose_offload, choose_optimizer, choose_policy,
-                              choose_precision, choose_sampler, resolve_policy, resolve_shape,
+                              choose_layout, choose_lora_kernel, choose_mlp_kernel, choose_offload, choose_optimizer,
+                              choose_policy, choose_precision, choose_sampler, resolve_policy, resolve_shape,
                               varlen_attention_reason)
 from freetune.errors import FreetuneError
 from freetune.fast import VARLEN_ATTENTION
@@ -224,6 +224,7 @@ class Plan:
     offload_activations: bool = False  # checkpointed layers' inputs kept in pinned host memory, not on the GPU
     loss_tile_tokens: int = 0   # tokens per tile of TRL's chunked loss head (0: TRL's own, 4,096)
     checkpoint_every: int = 1   # with checkpointing on, every n-th decoder layer is checkpointed (1: all of them)
+    mlp_kernel: str = "layers"  # "chunked" (freetune.fused_mlp: the SwiGLU MLP in token chunks) | "layers"
     asked: dict = field(default_factory=dict)  # make_plan's arguments (hardware apart), for replan
     memory: MemoryEstimate | None = None
     machine: str = ""
@@ -270,6 +271,7 @@ class Plan:
             ("sampler", self.sampler, r.get("sampler", "")),
             ("checkpointing", self.checkpointing_text(), r.get("gradient_checkpointing", "")),
             ("LoRA kernel", self.lora_kernel, r.get("lora_kernel", "")),
+            ("MLP kernel", self.mlp_kernel, r.get("mlp_kernel", "")),
             ("optimizer", self.optimizer, r.get("optimizer", "")),
             ("compile", "per decoder layer" if self.compile else "off", r.get("compile", "")),
             ("max_length", str(self.max_length), r.get("max_length", "")),
@@ -461,6 +463,8 @@ def _memory_step(plan: Plan, sizing: _Sizing, **lora) -> None:
         offload, plan.reasons["offload"] = choose_offload(sizing.shape, sizing.budget, sizing.sized,
                                                           sizing.micro_batch or sizing.cap, common)
         common["offload_activations"] = offload
+    common["mlp_kernel"], plan.reasons["mlp_kernel"] = choose_mlp_kernel(sizing.shape, sizing.budget, sizing.sized,
+                                                                         sizing.micro_batch or sizing.cap, common)
     warnings_before = len(plan.warnings)
     _fit_batch(plan, sizing)
     _shard_if_needed(plan, sizing, warnings_before)
@@ -582,6 +586,9 @@ def _final_step(plan: Plan, hardware: Hardware, sizing: _Sizing, compile: str) -
     if plan.offload_activations:
         plan.reasons["gradient_checkpointing"] += f"; {plan.reasons['offload']}"
     plan.checkpoint_every = memory.settings.get("checkpoint_every", 1) if memory is not None else 1
+    plan.mlp_kernel = memory.settings.get("mlp_kernel", "layers") if memory is not None else "layers"
+    if plan.mlp_kernel == "chunked" and (plan.lora_kernel != "fused" or not plan.gradient_checkpointing):
+        plan.mlp_kernel, plan.reasons["mlp_kernel"] = "layers", "the final layout has no fused LoRA layers"
 
 
 def replan(plan: Plan, hardware: Hardware | None = None, **changes) -> Plan:

@@ -20,7 +20,7 @@ import time
 import warnings
 from pathlib import Path
 
-from freetune import checkpoint, fast, kernels, overrides, tracking
+from freetune import checkpoint, fast, fused_mlp, kernels, overrides, tracking
 from freetune import params as param_rules  # not `params`: make_config takes a recipe's parameters under that name
 from freetune.batching import PAD_TO
 from freetune.choices import choose_optimizer
@@ -352,6 +352,9 @@ def _speed_up(trainer, plan: Plan) -> None:
     if plan.lora_kernel == "fused":
         fused, seen = kernels.use_fused_lora(trainer.model)
         print0(f"LoRA kernel: fused on {fused} of {seen} LoRA layers (freetune.kernels).")
+    if plan.mlp_kernel == "chunked":
+        fused, seen = fused_mlp.use_fused_mlp(trainer.model)
+        print0(f"MLP kernel: {fused} of {seen} MLPs in chunks of {fused_mlp.CHUNK_TOKENS} tokens (freetune.fused_mlp).")
     overrides.set_loss_tile_tokens(plan.loss_tile_tokens)
     if torch.cuda.is_available() and plan.batching == "padding_free":
         # Probed now, eagerly, in this process (a torchrun rank too): the attention layers only read the result.

@@ -492,7 +492,8 @@ def measurements(job: dict, shape: ModelShape, plan, config, history: list[dict]
         "step_s": round(seconds / measured, 4),
         "pad_fraction": round(sum(pads) / len(pads), 4) if pads else None,
         "losses": [round(h["loss"], 4) for h in history if "loss" in h],
-        "lora_kernel": plan.lora_kernel, "compile": plan.compile, "optimizer": plan.optimizer,
+        "lora_kernel": plan.lora_kernel, "mlp_kernel": plan.mlp_kernel, "compile": plan.compile,
+        "optimizer": plan.optimizer,
         "sampler": plan.sampler, "logging_steps": config.logging_steps,
         "frozen_dtype": plan.frozen_dtype, "offload_activations": plan.offload_activations,
         "max_micro_batch_tokens": most_tokens,
@@ -541,7 +542,7 @@ def seen_estimate(plan, shape: ModelShape, tokens: int) -> float | None:
     settings = {k: v for k, v in plan.memory.settings.items() if k not in ("model", "max_length", "micro_batch")}
     settings.update(gradient_checkpointing=plan.gradient_checkpointing, optimizer=plan.optimizer,
                     lora_kernel=plan.lora_kernel, frozen_dtype=plan.frozen_dtype,
-                    offload_activations=plan.offload_activations)
+                    offload_activations=plan.offload_activations, mlp_kernel=plan.mlp_kernel)
     return round(estimate(shape, max_length=tokens, micro_batch=1, **settings).peak_allocated_gib, 3)
 
 
@@ -1097,7 +1098,8 @@ def table(report: dict) -> str:
         lines.append([r["mode"], r["run"], str(r["world_size"]), f"{r['micro_batch']}x{r['grad_accum']}",
                       r.get("checkpointing") or ("off" if not r["gradient_checkpointing"] else
                                                  "offload" if r.get("offload_activations") else "on"), r["batching"],
-                      r.get("sampler", ""), r.get("attention", ""), r.get("lora_kernel", ""),
+                      r.get("sampler", ""), r.get("attention", ""),
+                      r.get("lora_kernel", "") + ("+mlp" if r.get("mlp_kernel") == "chunked" else ""),
                       f"{r['profile']['gpu_busy_share']:.0%}" if r.get("profile", {}).get("gpu_busy_share") else "",
                       f"{r['tokens_per_s']:.0f}",
                       f"{r['step_s']:.2f}", f"{r.get('peak_allocated_gib', r.get('peak_rss_gib', 0)):.2f}",

@@ -189,6 +189,50 @@ def test_freetune_attention_keeps_packed_rows_apart_like_separate_rows(tiny_mode
     torch.testing.assert_close(together, alone, rtol=1e-4, atol=1e-4)
 
 
+def test_the_dense_mask_is_left_out_only_where_the_varlen_kernel_reads_the_rows(monkeypatch):
+    """varlen_mask: no (tokens x tokens) mask for a training batch of one padding-free sequence on a GPU whose varlen
+    kernel was chosen; sdpa's mask function for anything else (a padded batch, a KV cache, evaluation, no kernel)."""
+    import torch
+    import transformers.masking_utils as masking
+
+    from freetune import fast
+
+    asked = []
+    monkeypatch.setattr(masking, "sdpa_mask", lambda *a, **k: asked.append((a, k)) or "sdpa's mask")
+    monkeypatch.setattr(fast, "_CHOSEN", {0: ("efficient", "chosen by the test")})
+    assert fast.varlen_mask(1, 64, 64, device="cuda:0") is None and not asked
+    assert fast.varlen_mask(1, 64, 64, device=torch.device("cuda")) is None and not asked
+    padded = torch.ones(2, 64, dtype=torch.bool)
+    for call in (dict(batch_size=2, attention_mask=padded), dict(kv_offset=8), dict(device="cpu"),
+                 dict(device="cuda:1")):  # no kernel chosen for GPU 1
+        args = {**dict(batch_size=1, q_length=64, kv_length=64, device="cuda:0"), **call}
+        assert fast.varlen_mask(**args) == "sdpa's mask"
+    with torch.no_grad():
+        assert fast.varlen_mask(1, 64, 64, device="cuda:0") == "sdpa's mask"
+    assert len(asked) == 5 and asked[0][1]["attention_mask"] is padded
+
+
+def test_where_the_mask_was_left_out_a_fallback_to_sdpa_still_keeps_the_rows_apart(tiny_model_dir, monkeypatch):
+    """If an attention call falls back to sdpa after varlen_mask left the mask out, it rebuilds the rows' mask from
+    their positions: each packed row still gets the logits it gets alone."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from freetune import fast
+
+    name = fast.register_attention()
+    monkeypatch.setitem(AttentionMaskInterface._global_mapping, name, lambda *a, **k: None)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), attn_implementation=name,
+                                                 dtype=torch.float32).eval()
+    rows = [torch.arange(5, 5 + n) * 37 % 5000 for n in (7, 12, 4)]
+    positions = torch.cat([torch.arange(len(r)) for r in rows])[None]
+    with torch.no_grad():
+        together = model(input_ids=torch.cat(rows)[None], position_ids=positions, use_cache=False).logits[0]
+        alone = torch.cat([model(input_ids=r[None]).logits[0] for r in rows])
+    torch.testing.assert_close(together, alone, rtol=1e-4, atol=1e-4)
+
+
 def test_the_attention_layers_only_read_the_probed_backend_inside_compiled_code(monkeypatch):
     """Every attention call asks varlen_backend which kernel to use, inside the compiled decoder layers. It must be
     a plain lookup there: a functools.cache'd probe is traced by dynamo as if uncached and ran the whole probe in

@@ -1,0 +1,179 @@
+"""freetune.fused_mlp: the SwiGLU MLP over three fused 4-bit LoRA layers as one op in token chunks computes what peft's
+three layers compute, keeps no (tokens x intermediate) tensor for its backward, and compiles into the decoder layer.
+
+Real bitsandbytes NF4 weights and peft adapters on a CPU (the same code a GPU runs, CPU kernels underneath)."""
+
+import pytest
+import torch
+
+from freetune import fused_mlp, kernels
+from freetune.memory import ModelShape, estimate
+from freetune.preflight import Hardware
+from test_kernels import gpu, loss_and_grads, quantized_lora_model
+
+
+def fused_model(model_dir, dtype, chunk, dropout=0.0):
+    model = quantized_lora_model(model_dir, dtype, dropout=dropout)
+    kernels.use_fused_lora(model)
+    fused, seen = fused_mlp.use_fused_mlp(model, chunk=chunk)
+    assert fused == seen == len(model.get_base_model().model.layers)
+    assert fused_mlp.use_fused_mlp(model, chunk=chunk) == (fused, seen)  # idempotent
+    return model
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 0.05)])
+def test_the_chunked_mlp_gives_peft_loss_and_gradients(tiny_model_dir, dtype, tolerance):
+    """64 tokens in chunks of 24 (the last one shorter): the loss and every adapter weight's gradient as peft's layers
+    give them (fp32: up to summation order; bf16: rounding in another order)."""
+    ids = torch.randint(3, 500, (1, 64), generator=torch.Generator().manual_seed(1))
+    autocast = dtype if dtype != torch.float32 else None
+    want = loss_and_grads(quantized_lora_model(tiny_model_dir, dtype), ids, autocast)
+    got = loss_and_grads(fused_model(tiny_model_dir, dtype, chunk=24), ids, autocast)
+    assert got[0] == pytest.approx(want[0], rel=1e-5 if dtype == torch.float32 else 1e-3)
+    assert got[1].keys() == want[1].keys()
+    errors = sorted(((got[1][n] - g).norm() / g.norm()).item() for n, g in want[1].items())
+    assert errors[-1] < tolerance, errors[-5:]
+
+
+def test_dropout_drops_the_same_inputs_in_the_forward_and_the_backward(tiny_model_dir):
+    """With dropout the op draws each chunk's masks (gate's and up's over x, down's over the activation) and must use
+    the same ones for the gradients, read back from their bits. The reference draws the same masks (same seed, same
+    kernel, same order) and differentiates plain tensor code with autograd."""
+    import bitsandbytes.functional as bnbf
+
+    p, chunk = 0.3, 5
+    model = fused_model(tiny_model_dir, torch.float32, chunk=chunk, dropout=p)
+    mlp = model.get_base_model().model.layers[0].mlp
+    x = torch.randn(2, 9, mlp.gate_proj.in_features, generator=torch.Generator().manual_seed(2))
+    dy = torch.randn(2, 9, mlp.down_proj.out_features, generator=torch.Generator().manual_seed(3))
+    adapters = {}
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        layer = getattr(mlp, name)
+        key = layer.active_adapters[0]
+        weight = bnbf.dequantize_4bit(layer.base_layer.weight, layer.base_layer.weight.quant_state)
+        adapters[name] = (weight, layer.lora_A[key].weight, layer.lora_B[key].weight, layer.scaling[key])
+
+    x1 = x.clone().requires_grad_()
+    torch.manual_seed(7)
+    y = mlp(x1)
+    (y * dy).sum().backward()
+    params = [t for name in adapters for t in adapters[name][1:3]]
+    got = [y.detach(), x1.grad] + [t.grad.clone() for t in params]
+    for t in params:
+        t.grad = None
+
+    def project(inp, name):
+        w, a, b, s = adapters[name]
+        dropped, mask = torch.native_dropout(inp, p, True)
+        return inp @ w.t() + s * (dropped @ a.t()) @ b.t(), mask
+
+    x2 = x.clone().requires_grad_()
+    torch.manual_seed(7)
+    rows, kept = [], []
+    for part in x2.reshape(-1, x.shape[-1]).split(chunk):
+        g, mg = project(part, "gate_proj")
+        u, mu = project(part, "up_proj")
+        out, md = project(torch.nn.functional.silu(g) * u, "down_proj")
+        rows.append(out)
+        kept += [mg.float().mean(), md.float().mean()]
+    ref = torch.cat(rows).reshape(2, 9, -1)
+    (ref * dy).sum().backward()
+    want = [ref.detach(), x2.grad] + [t.grad for t in params]
+
+    for g, r in zip(got, want):
+        assert torch.allclose(g, r, rtol=1e-4, atol=1e-5), (g - r).abs().max()
+    assert 0.55 < torch.stack(kept).mean().item() < 0.85  # about 1 - p of the inputs reach the adapters
+
+
+def test_the_mlp_keeps_no_tokens_by_intermediate_tensor_for_its_backward(tiny_model_dir):
+    """What autograd keeps of one MLP for its backward: with the fused projections, their gate and up outputs and the
+    activation (tokens x intermediate each); with the chunked op, nothing that wide: its input, the LoRA-A outputs
+    (tokens x r) and the masks as bits."""
+    model = quantized_lora_model(tiny_model_dir, torch.float32, dropout=0.1)
+    kernels.use_fused_lora(model)
+    mlp = model.get_base_model().model.layers[0].mlp
+    inter, tokens = mlp.gate_proj.out_features, 12
+    x = torch.randn(1, tokens, mlp.gate_proj.in_features, requires_grad=True)
+
+    def saved_shapes():
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((tuple(t.shape), t.dtype)) or t,
+                                                      lambda t: t):
+            y = mlp(x)
+        y.sum().backward()
+        return saved
+
+    def wide(saved):
+        return [s for s in saved if s[0][-1] == inter and s[0][0] in (tokens, 1) and s[1] != torch.uint8]
+
+    assert len(wide(saved_shapes())) >= 2  # the per-projection path
+    fused_mlp.use_fused_mlp(model, chunk=5)
+    saved = saved_shapes()
+    assert wide(saved) == [], wide(saved)
+    assert ((tokens, -(-inter // 8)), torch.uint8) in saved  # the down projection's mask, as bits
+    model.eval()  # generation: the module's own forward (bitsandbytes' inference kernels)
+    with torch.no_grad():
+        assert torch.equal(mlp(x), type(mlp).forward(mlp, x))
+
+
+def test_a_compiled_checkpointed_layer_with_the_chunked_mlp_trains_like_an_eager_one(tiny_model_dir):
+    """The op inside compile_layers' decoder layers (aot_eager: dynamo and the autograd graph as inductor sees them),
+    under gradient checkpointing (the plan uses it only there), over two lengths: same loss and gradients, one graph
+    per layer kind and no graph break."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    models = []
+    for _ in range(2):
+        model = quantized_lora_model(tiny_model_dir, torch.float32)
+        model.get_base_model().gradient_checkpointing_enable({"use_reentrant": False})
+        kernels.use_fused_lora(model)
+        fused_mlp.use_fused_mlp(model, chunk=16)
+        models.append(model)
+    eager, compiled = models
+    torch._dynamo.reset()
+    counters.clear()
+    kernels.compile_layers(compiled, backend="aot_eager")
+    torch._dynamo.config.suppress_errors = False
+    try:
+        for length in (40, 48):
+            ids = torch.randint(3, 500, (1, length), generator=torch.Generator().manual_seed(length))
+            want, got = loss_and_grads(eager, ids), loss_and_grads(compiled, ids)
+            assert got[0] == pytest.approx(want[0], rel=1e-5)
+            for name, grad in want[1].items():
+                assert torch.allclose(got[1][name], grad, rtol=1e-3, atol=1e-6), name
+            eager.zero_grad()
+            compiled.zero_grad()
+        assert counters["stats"]["unique_graphs"] in (1, 2)
+        assert not counters["graph_break"], dict(counters["graph_break"])
+    finally:
+        torch._dynamo.reset()
+        kernels.uncompile_layers(compiled)
+
+
+def test_the_plan_chunks_the_mlp_only_where_a_row_would_not_fit_without_it_and_counts_it():
+    """The chunked MLP is slower per token than the per-projection one (and than it at half the micro-batch, measured
+    on the GPU): the plan takes it only where even one row of max_length would not fit otherwise, instead of cutting
+    the rows."""
+    from freetune.preflight import make_plan
+
+    t4 = gpu("Tesla T4", (7, 5), 14.7)
+    small = make_plan(t4, model_shape="tinyllama-1.1b", memory_budget_gib=4.0)
+    assert small.checkpointing_text().startswith("on") and small.mlp_kernel == "layers"
+    assert "fits with it" in small.reasons["mlp_kernel"] and "MLP kernel" in small.table()
+    long_rows = make_plan(t4, model_shape="qwen3-8b", max_length=32768)
+    assert long_rows.mlp_kernel == "chunked" and long_rows.memory.settings["mlp_kernel"] == "chunked"
+    assert long_rows.max_length == 32768 and long_rows.memory.fits  # the rows are not cut
+    assert "rows need not be cut" in long_rows.reasons["mlp_kernel"]
+    assert make_plan(t4, model_shape="qwen2.5-1.5b").mlp_kernel == "layers"  # room for some layers unchecked
+    cpu = make_plan(Hardware(ram_total_gib=16.0, ram_available_gib=12.0), model_shape="qwen3-8b", max_length=32768)
+    assert cpu.mlp_kernel == "layers"  # peft's layers on a CPU: nothing to chunk over
+
+    shape = ModelShape.named("tinyllama-1.1b")
+    common = dict(max_length=1024, micro_batch=8, lora_kernel="fused", compiled=True, compute_dtype="float16",
+                  frozen_dtype="float16", gradient_checkpointing=True, offload_activations=True)
+    layers, chunked = estimate(shape, **common), estimate(shape, **common, mlp_kernel="chunked")
+    saved = (layers.activations_gib - chunked.activations_gib) * 2**30
+    # One layer's backward: its intermediate tensors for 8,192 tokens, less the chunk-sized ones and three weights.
+    assert 0.2 * 2**30 < saved < 0.6 * 2**30, saved / 2**30
+    assert chunked.settings["mlp_kernel"] == "chunked"
