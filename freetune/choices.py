@@ -257,7 +257,8 @@ def choose_mlp_kernel(shape, budget_gib: float, max_length: int, micro_batch: in
     less than half the tokens/s of the per-projection MLP and slower than it at half the micro-batch, whose peak was
     lower too: a smaller batch is the cheaper way to save memory while a row fits."""
     if common.get("lora_kernel") != "fused":
-        return "layers", "the chunked MLP runs over fused LoRA layers only"
+        return "layers", ("each projection on its own, as peft runs it (the chunked MLP is for GPU runs, over "
+                          "fused LoRA layers)")
     if not common.get("gradient_checkpointing") or common.get("checkpoint_every", 1) > 1:
         return "layers", "not every layer is checkpointed: there is memory to spare"
     settings = {**common, "mlp_kernel": "layers"}
