@@ -137,6 +137,11 @@ def _input_grad(dy, dh, packed, w, a, p: float):
     return dx
 
 
+def mask_shape(tokens: int, width: int, p: float) -> tuple[int, int]:
+    """The shape of one projection's packed dropout mask (pack_mask's bits); empty without dropout."""
+    return (tokens, -(-width // 8)) if p > 0 else (0, 0)
+
+
 def _chunks(tokens: int, chunk: int):
     return [(start, min(start + chunk, tokens)) for start in range(0, tokens, chunk)]
 
@@ -165,7 +170,7 @@ def _define():
         x = x.to(compute)
         out = x.new_empty(tokens, hidden)
         hs = [x.new_empty(tokens, t.shape[0]) for t in (ga, ua, da)]
-        masks = [torch.empty(tokens if p > 0 else 0, -(-n // 8) if p > 0 else 0, dtype=torch.uint8, device=x.device)
+        masks = [torch.empty(mask_shape(tokens, n, p), dtype=torch.uint8, device=x.device)
                  for n in (hidden, hidden, inter)]
         for start, end in _chunks(tokens, chunk):
             xc = x[start:end]
@@ -186,8 +191,7 @@ def _define():
         inter = gb.shape[0]
         out = x.new_empty(tokens, hidden, dtype=compute)
         hs = [x.new_empty(tokens, t.shape[0], dtype=compute) for t in (ga, ua, da)]
-        masks = [x.new_empty(tokens if p > 0 else 0, -(-n // 8) if p > 0 else 0, dtype=torch.uint8)
-                 for n in (hidden, hidden, inter)]
+        masks = [x.new_empty(mask_shape(tokens, n, p), dtype=torch.uint8) for n in (hidden, hidden, inter)]
         return out, *hs, *masks
 
     schema = ("(Tensor x, Tensor gw, Tensor gabs, Tensor ga, Tensor gb, Tensor uw, Tensor uabs, Tensor ua, Tensor ub, "
@@ -203,7 +207,8 @@ def _define():
         wg, wu, wd, lora = weights(x, gw, gabs, ga, gb, uw, uabs, ua, ub, dw, dabs, da, db, blocksize, quant_type,
                                    compute)
         x, dout = x.to(compute), dout.to(compute)
-        # LoRA gradients summed over the chunks in fp32 (the adapter's dtype; each chunk's product in the compute dtype).
+        # LoRA gradients summed over the chunks in fp32 (the adapter's dtype), each chunk's product in the compute
+        # dtype.
         grads = [torch.zeros_like(t, dtype=torch.float32) for t in (ga, gb, ua, ub, da, db)]
         dx = x.new_empty(tokens, hidden) if need_x else x.new_empty(0, hidden)
         for start, end in _chunks(tokens, chunk):

@@ -267,6 +267,10 @@ def packed_mask_saving(shape: ModelShape, lora_targets="all-linear") -> float:
     return PACKED_MASK_SAVING * sum(dims[m][0] for m in shape.lora_modules(lora_targets))
 
 
+# freetune.fused_mlp's backward: g, u, the activation's gradient and one more chunk-sized tensor at a time.
+MLP_CHUNK_BUFFERS = 4
+
+
 def mlp_chunk_bytes(shape: ModelShape, compute_dtype: str = "bfloat16") -> float:
     """Bytes one layer's backward holds through freetune.fused_mlp whatever the token count: its chunk-sized
     intermediate tensors (MLP_CHUNK_BUFFERS of CHUNK_TOKENS x intermediate) and the three dequantised weights."""
@@ -274,10 +278,6 @@ def mlp_chunk_bytes(shape: ModelShape, compute_dtype: str = "bfloat16") -> float
 
     width = 2 if _is_16bit(compute_dtype) else 4
     return (MLP_CHUNK_BUFFERS * CHUNK_TOKENS + 3 * shape.hidden) * shape.intermediate * width
-
-
-# freetune.fused_mlp's backward: g, u, the activation's gradient and one more chunk-sized tensor at a time.
-MLP_CHUNK_BUFFERS = 4
 
 
 def activation_bytes_per_token(shape: ModelShape, *, lora_rank: int, lora_targets="all-linear",

@@ -204,7 +204,8 @@ def compile_settings() -> None:
 
     torch._dynamo.config.suppress_errors = True
     # The fused function dequantises each weight again in its backward rather than keep a 16-bit copy (the whole
-    # model's worth over a step without checkpointing, more than a 4 GiB card has spare). Common-subexpression elimination of the joint forward-backward graph would merge the two
+    # model's worth over a step without checkpointing, more than a 4 GiB card has spare). Common-subexpression
+    # elimination of the joint forward-backward graph would merge the two
     # dequantisations into one whose output the forward then saves; without it the backward keeps its own.
     import torch._functorch.config
 

@@ -587,7 +587,7 @@ def _final_step(plan: Plan, hardware: Hardware, sizing: _Sizing, compile: str) -
         plan.reasons["gradient_checkpointing"] += f"; {plan.reasons['offload']}"
     plan.checkpoint_every = memory.settings.get("checkpoint_every", 1) if memory is not None else 1
     plan.mlp_kernel = memory.settings.get("mlp_kernel", "layers") if memory is not None else "layers"
-    if plan.mlp_kernel == "chunked" and (plan.lora_kernel != "fused" or not plan.gradient_checkpointing):
+    if plan.mlp_kernel == "chunked" and plan.lora_kernel != "fused":  # FSDP took over after the memory step
         plan.mlp_kernel, plan.reasons["mlp_kernel"] = "layers", "the final layout has no fused LoRA layers"
 
 

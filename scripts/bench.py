@@ -729,8 +729,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "(e.g. 'eager:compile=false;peft:lora_kernel=peft,optimizer=paged_adamw_8bit'); also the "
                              "experiments liger=true (Liger's RMSNorm/SwiGLU/RoPE, liger-kernel installed), "
                              "cpp_wrapper=true (inductor's C++ wrapper), byte_masks=true (dropout masks a byte per "
-                             "element, as before freetune.kernels.pack_mask), dense_head=true and no_packed_check=true (two "
-                             "host syncs per step removed), pin_cores=true (apply_experiments) and "
+                             "element, as before freetune.kernels.pack_mask; not with mlp_kernel=chunked), "
+                             "dense_head=true and no_packed_check=true (two host syncs per step removed), "
+                             "pin_cores=true (apply_experiments) and "
                              "the DDP settings ddp_split=true, "
                              "static_graph=true, bucket_view=true, bucket_mb=N, flat_sync=true (apply_ddp_experiments; "
                              "a variant of only these runs under DDP only). 'label:' alone repeats freetune's runs")
