@@ -250,24 +250,26 @@ def choose_lora_kernel(device: str, layout: str) -> tuple[str, str]:
 
 
 def choose_mlp_kernel(shape, budget_gib: float, max_length: int, micro_batch: int, common: dict) -> tuple[str, str]:
-    """(MLP kernel, why): "chunked" (freetune.fused_mlp: the SwiGLU MLP as one op over token chunks, its backward's
-    intermediate tensors chunk-sized) only where every layer is checkpointed and not even one row of max_length fits
-    without it, so that rows are not cut; "layers" (each projection a fused LoRA layer, compiled with the rest of the
-    layer) otherwise. Measured under a 4 GiB cap (docs/performance.md): the chunked op at the full micro-batch ran at
-    less than half the tokens/s of the per-projection MLP and slower than it at half the micro-batch, whose peak was
-    lower too: a smaller batch is the cheaper way to save memory while a row fits."""
+    """(MLP kernel, why), where every layer is checkpointed (memory is tight): "traced" (freetune.fused_mlp: the SwiGLU
+    MLP as one autograd node in the compiled layer; its backward recomputes gate and up, two more 4-bit matmuls per
+    layer on a GPU that waits for the host anyway, and holds three tokens x intermediate tensors instead of seven);
+    "chunked" (the same as one op over token chunks) only where not even one row of max_length fits with the traced
+    function, so that rows are not cut: it is host-bound, at about half the tokens/s (docs/performance.md). "layers"
+    (each projection a fused LoRA layer) where not every layer is checkpointed: the gate and up outputs are then
+    kept from the forward, not computed twice."""
     if common.get("lora_kernel") != "fused":
-        return "layers", ("each projection on its own, as peft runs it (the chunked MLP is for GPU runs, over "
+        return "layers", ("each projection on its own, as peft runs it (the fused MLP is for GPU runs, over "
                           "fused LoRA layers)")
     if not common.get("gradient_checkpointing") or common.get("checkpoint_every", 1) > 1:
         return "layers", "not every layer is checkpointed: there is memory to spare"
-    settings = {**common, "mlp_kernel": "layers"}
+    settings = {**common, "mlp_kernel": "traced"}
     one_row = estimate(shape, max_length=max_length, micro_batch=1, **settings)
     if one_row.total_gib <= budget_gib:
-        return "layers", (f"a row of {max_length} tokens fits with it (~{one_row.total_gib:.1f} of {budget_gib:.1f} GiB "
-                          f"at one row; the batch is sized below); chunking the MLP would save memory at a slower step")
+        return "traced", ("every layer is checkpointed: the MLP's backward recomputes gate and up instead of keeping "
+                          "them and holds 3 instead of 7 tokens x intermediate tensors (freetune.fused_mlp), for a "
+                          "larger micro-batch in the same memory")
     chunked = estimate(shape, max_length=max_length, micro_batch=1, **{**settings, "mlp_kernel": "chunked"})
-    return "chunked", (f"one row of {max_length} tokens needs ~{one_row.total_gib:.1f} GiB with the per-projection MLP, "
+    return "chunked", (f"one row of {max_length} tokens needs ~{one_row.total_gib:.1f} GiB with the MLP as one node, "
                        f"~{chunked.total_gib:.1f} with its backward in chunks of tokens (freetune.fused_mlp), "
                        f"of {budget_gib:.1f} GiB: rows need not be cut")
 

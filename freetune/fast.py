@@ -103,6 +103,12 @@ def _varlen_call(q, k, v, cu_seq, max_len: int, scale, backend: str = "flash"):
     return fn(q, k, v, cu_seq, cu_seq, max_len, max_len, **kwargs)
 
 
+# Grouped-query attention through the memory-efficient kernel (one kv head per q head): the kv heads are repeated, and
+# the backward's gradients come per q head, for up to this many parts of the heads one after another rather than all
+# at once. All at once, the repeated k and v and their gradients were the largest tensors alive at a 4 GiB card's peak
+# (a memory snapshot on the GPU, docs/performance.md); a part at a time they are 1/4 of that, for 4 kernel calls.
+KV_HEAD_PARTS = 4
+
 _EFFICIENT: dict = {}  # "op": the freetune::varlen_efficient custom op, defined once per process
 
 
@@ -112,22 +118,40 @@ def _efficient_op():
     with its own autograd. Why not the aten ops directly: their backward's meta function (torch 2.11 and 2.13) takes
     its arguments shifted by one ("got multiple values for argument 'scale'"), so a compiled decoder layer that calls
     them falls back to eager as a whole; a custom op stays one node of the layer's graph, its shapes given here.
-    Grouped-query heads are repeated inside the op, so that only the unrepeated k and v are saved for the backward."""
+    Grouped-query heads are repeated inside the op, so that only the unrepeated k and v are saved for the backward, and
+    a part of the heads at a time (KV_HEAD_PARTS)."""
     if "op" in _EFFICIENT:
         return _EFFICIENT["op"]
     import torch
 
-    def repeat_kv(q, k, v):
+    def parts(q, k):
+        """(q, k, v) head slices for one kernel call each: all heads at once without grouped-query attention; with it,
+        up to KV_HEAD_PARTS parts of whole kv heads and their q heads (see KV_HEAD_PARTS)."""
         groups = q.shape[1] // k.shape[1]
-        return (k, v) if groups == 1 else (k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1))
+        if groups == 1:
+            return [(slice(None), slice(None))]
+        count = max(c for c in range(1, min(KV_HEAD_PARTS, k.shape[1]) + 1) if k.shape[1] % c == 0)
+        per = k.shape[1] // count
+        return [(slice(i * per * groups, (i + 1) * per * groups), slice(i * per, (i + 1) * per)) for i in range(count)]
+
+    def repeated(q, t):
+        """k or v (tokens, kv heads, dim) with each head repeated for the q heads that read it."""
+        groups = q.shape[1] // t.shape[1]
+        return t if groups == 1 else t.repeat_interleave(groups, dim=1)
 
     def forward_4d(q, k, v, cu, max_len, scale):
-        k, v = repeat_kv(q, k, v)
-        # (1, tokens, heads, dim), as the kernel takes batches; custom_mask_type 1: causal from each row's start.
-        # The logsumexp is what the backward needs; the dropout seeds are not (no dropout in attention).
-        out, lse = torch.ops.aten._efficient_attention_forward(q[None], k[None], v[None], None, cu, cu, max_len,
-                                                               max_len, 0.0, 1, True, scale=scale)[:2]
-        return out[0].clone(), lse  # a custom op's outputs must not be views
+        outs, lses = [], []
+        for qs, ks in parts(q, k):
+            qp, kp, vp = q[:, qs].contiguous(), repeated(q[:, qs], k[:, ks]), repeated(q[:, qs], v[:, ks])
+            # (1, tokens, heads, dim), as the kernel takes batches; custom_mask_type 1: causal from each row's start.
+            # The logsumexp is what the backward needs; the dropout seeds are not (no dropout in attention).
+            out, lse = torch.ops.aten._efficient_attention_forward(qp[None], kp[None], vp[None], None, cu, cu,
+                                                                   max_len, max_len, 0.0, 1, True, scale=scale)[:2]
+            outs.append(out[0])
+            lses.append(lse)
+        if len(outs) == 1:
+            return outs[0].clone(), lses[0]  # a custom op's outputs must not be views
+        return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
 
     # Schemas spelled out: this module's annotations are strings (from __future__ import annotations).
     @torch.library.custom_op("freetune::varlen_efficient", mutates_args=(),
@@ -142,17 +166,26 @@ def _efficient_op():
                              schema="(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu, "
                                     "SymInt max_len, float? scale) -> (Tensor, Tensor, Tensor)")
     def backward_op(grad, q, k, v, out, lse, cu, max_len, scale):
-        kr, vr = repeat_kv(q, k, v)
         unused = torch.empty((), dtype=torch.long)  # dropout's seed and offset, read only when dropout_p > 0
-        dq, dk, dv, _ = torch.ops.aten._efficient_attention_backward(
-            grad.contiguous()[None], q[None], kr[None], vr[None], None, out[None], cu, cu, max_len, max_len, lse, 0.0,
-            unused, unused, 1, False, scale=scale)
-        dq, dk, dv = dq[0], dk[0], dv[0]
-        groups = q.shape[1] // k.shape[1]
-        if groups > 1:  # the repeated heads' gradients summed back onto each key/value head
-            dk = dk.unflatten(1, (k.shape[1], groups)).sum(2)
-            dv = dv.unflatten(1, (v.shape[1], groups)).sum(2)
-        return dq.contiguous(), dk.contiguous(), dv.contiguous()
+        grad = grad.contiguous()
+        if q.shape[1] == k.shape[1]:
+            dq, dk, dv, _ = torch.ops.aten._efficient_attention_backward(
+                grad[None], q[None], k[None], v[None], None, out[None], cu, cu, max_len, max_len, lse, 0.0, unused,
+                unused, 1, False, scale=scale)
+            return dq[0].contiguous(), dk[0].contiguous(), dv[0].contiguous()
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        for qs, ks in parts(q, k):
+            qp = q[:, qs].contiguous()
+            kp, vp = repeated(qp, k[:, ks]), repeated(qp, v[:, ks])
+            dqp, dkp, dvp, _ = torch.ops.aten._efficient_attention_backward(
+                grad[:, qs].contiguous()[None], qp[None], kp[None], vp[None], None, out[:, qs].contiguous()[None], cu,
+                cu, max_len, max_len, lse[:, qs].contiguous(), 0.0, unused, unused, 1, False, scale=scale)
+            dq[:, qs] = dqp[0]
+            groups = qp.shape[1] // k[:, ks].shape[1]
+            # the repeated heads' gradients summed back onto each key/value head
+            dk[:, ks] = dkp[0].unflatten(1, (-1, groups)).sum(2) if groups > 1 else dkp[0]
+            dv[:, ks] = dvp[0].unflatten(1, (-1, groups)).sum(2) if groups > 1 else dvp[0]
+        return dq, dk, dv
 
     @backward_op.register_fake
     def _(grad, q, k, v, out, lse, cu, max_len, scale):

@@ -1,24 +1,33 @@
-"""A decoder layer's SwiGLU MLP over three fused 4-bit LoRA layers as one custom op, run in token chunks: its
-(tokens x intermediate) activations never exist for the whole micro-batch at once.
+"""A decoder layer's SwiGLU MLP over three fused 4-bit LoRA layers as one unit whose backward recomputes gate and up
+instead of keeping them: as one autograd node traced into the compiled layer ("traced"), or as one custom op over token
+chunks ("chunked").
 
 Why: under a small memory budget (a 4 GB card, every layer checkpointed) the peak is one layer's recompute and
 backward, and there the MLP's intermediate tensors dominate: gate and up outputs, the activation, its gradient and
 the gate and up gradients, each tokens x intermediate (5,632 wide for TinyLlama, 3x the hidden size). A compiled layer
-kept seven of them alive at the peak (a memory snapshot on the GPU, docs/performance.md). Here
+with a fused LoRA node per projection kept seven of them alive at the peak (a memory snapshot on the GPU,
+docs/performance.md). Both kernels here:
 
-    forward   for each chunk of tokens:  g = gate(x), u = up(x), a = silu(g) * u, out = down(a)
+    forward   g = gate(x), u = up(x), a = silu(g) * u, out = down(a)
               saved: x (the layer saves it anyway), each LoRA-A output (tokens x r) and dropout's masks as bits
-    backward  for each chunk: g and u recomputed (two 4-bit matmuls), then the down projection's gradient and the
-              SwiGLU derivative written in place over g and u, then the gate and up projections' gradients
+    backward  g and u recomputed (two more 4-bit matmuls), then the down projection's gradient and the SwiGLU
+              derivative written in place over g and u, then the gate and up projections' gradients
 
-so the backward holds four chunk-sized intermediate tensors instead of seven whole ones, for two extra matmuls per
-layer. The same function as peft's three layers (tests/test_fused_mlp.py: outputs and gradients of every adapter
-weight and of the input, with and without dropout). A custom op (not an autograd.Function traced into the compiled
-layer): inside torch.compile the partitioner decides what a traced function saves, and it kept g and u.
+The same function as peft's three layers (tests/test_fused_mlp.py: outputs and gradients of every adapter weight and
+of the input, with and without dropout).
 
-The price is speed: the op runs its chunks one after another, dozens of launches each, outside the compiled layer's
-fused kernels; under a 4 GiB cap it trained at about half the tokens/s of the per-projection MLP (docs/performance.md).
-So the plan takes it only where every layer is checkpointed and even one row of max_length would not fit otherwise
+"traced" (QLoRAMLP, the plan's choice wherever every layer is checkpointed): the compiled layer traces the function
+into its graph, so its element-wise work fuses with the layer's and no launch is added beyond the two matmuls (on a
+GPU that waits for the host anyway: the same tokens/s as the per-projection MLP, measured). Its backward keeps three
+tokens x intermediate tensors (g, u, the activation's gradient) instead of seven; the middle of it is one custom op
+(swiglu_backward_) that mutates g and u, because traced as plain code the compiler fused and reordered it into
+kernels that kept five alive, and its forward and backward dequantise from different copies of the absmax values so
+that common-subexpression elimination cannot merge the backward's gate and up with the forward's (the partitioner
+would then save them).
+
+"chunked" (qlora_mlp): the whole MLP as one op over chunks of CHUNK_TOKENS tokens, so that not even g and u exist for
+the whole micro-batch; it runs its chunks one after another, dozens of eager launches each, at about half the
+tokens/s. The plan takes it only where even one row of max_length would not fit with the traced function
 (freetune.choices.choose_mlp_kernel): long rows on a small card, which would else be cut.
 """
 
@@ -91,6 +100,15 @@ def _silu_mul(g, u):
     import torch
 
     return torch.nn.functional.silu(g) * u
+
+
+@_pointwise
+def _activation(g, u, packed, scale: float):
+    """SwiGLU's activation silu(g) * u, dropped where the packed mask did not keep it (no mask: as it is)."""
+    import torch
+
+    act = torch.nn.functional.silu(g) * u
+    return act if packed is None else act * kernels.unpack_mask(packed, act.shape[-1], act.dtype) * scale
 
 
 @_pointwise
@@ -268,6 +286,166 @@ def _define():
     return op
 
 
+def _swiglu_backward_impl(g, u, dy, dh, dw, dabs, da, md, blocksize: int, quant_type: str, shape: list[int],
+                          compute, p: float):
+    """The down projection's A gradient and input gradient, then SwiGLU's, for one MLP's backward: returns d A of the
+    down projection and leaves d gate in g and d up in u. In this order the tensors of tokens x intermediate alive at
+    once are g, u, the activation's gradient and one chunk of either the activation (for d A) or the LoRA term (its
+    dropout mask applies to the product, so it cannot be added by the matmul itself)."""
+    scale = 0.0 if md is None else _keep_scale(p)
+    tokens = g.shape[0]
+    grad_da = None
+    for start, end in _chunks(tokens, CHUNK_TOKENS):  # the (dropped) activation a chunk at a time
+        part = dh[start:end].t() @ _activation(g[start:end], u[start:end], None if md is None else md[start:end],
+                                               scale)
+        grad_da = part if grad_da is None else grad_da.add_(part)
+    w = kernels._dequantize(dw, dabs, (blocksize, quant_type, tuple(shape), compute))
+    dact = dy @ w
+    del w
+    if md is None:
+        dact.addmm_(dh, da)
+    else:
+        for start, end in _chunks(tokens, CHUNK_TOKENS):
+            _add_dropped_(dact[start:end], dh[start:end] @ da, md[start:end], scale)
+    _swiglu_grads_(g, u, dact)
+    return grad_da
+
+
+_SWIGLU_BACKWARD: dict = {}  # "op": freetune::swiglu_backward_, defined once per process
+
+
+def _swiglu_backward_op():
+    if "op" not in _SWIGLU_BACKWARD:
+        import torch
+
+        schema = ("(Tensor(a!) g, Tensor(b!) u, Tensor dy, Tensor dh, Tensor dw, Tensor dabs, Tensor da, Tensor? md, "
+                  "int blocksize, str quant_type, int[] shape, ScalarType compute, float p) -> Tensor")
+        op = torch.library.custom_op("freetune::swiglu_backward_", _swiglu_backward_impl, mutates_args=("g", "u"),
+                                     schema=schema)
+        op.register_fake(lambda g, u, dy, dh, dw, dabs, da, *rest: torch.empty_like(da, dtype=g.dtype))
+        _SWIGLU_BACKWARD["op"] = op
+    return _SWIGLU_BACKWARD["op"]
+
+
+def _traced_function():
+    import torch
+
+    def dequantized(packed, absmax, spec, copy: int = 0):
+        """The 16-bit weight; `copy` 1 or 2 dequantises from a fresh copy of the absmax values (x * 1, x + 0): the
+        traced graph's common-subexpression elimination would otherwise merge the backward's dequantisation (and
+        then its matmuls) with the forward's, and the partitioner would save the forward's gate and up outputs."""
+        if copy:
+            absmax = absmax * 1.0 if copy == 1 else absmax + 0.0
+        return kernels._dequantize(packed, absmax, spec)
+
+    def masked(t, packed, p: float):
+        """t where dropout kept it (its mask saved as bits), times 1 / (1 - p)."""
+        return t * kernels.unpack_mask(packed, t.shape[-1], t.dtype) * _keep_scale(p)
+
+    class QLoRAMLP(torch.autograd.Function):
+        """down(silu(gate(x)) * up(x)) over three fused 4-bit LoRA layers as one autograd node, traced into the
+        compiled decoder layer (no op boundary: its elementwise work fuses with the layer's). The forward saves the
+        input, the LoRA-A outputs (tokens x r) and dropout's masks (bits when compiled); the backward computes gate
+        and up again (two more 4-bit matmuls, on a GPU that waits for the host anyway) and lets them die into their
+        own gradients, so the wide tensors alive at once are those of one step of the backward, not the forward's
+        gate and up outputs kept beside all of them."""
+
+        @staticmethod
+        def forward(ctx, x, ga, gb, ua, ub, da, db, gw, gabs, uw, uabs, dw, dabs, specs, scalings, p: float):
+            compute = specs[0][3]
+            shape = x.shape
+            x2 = x.reshape(-1, shape[-1]).to(compute)
+            lora = [t.to(compute) for t in (ga, gb, ua, ub, da, db)]
+            hs, masks = [], []
+
+            def project(inp, packed, absmax, spec, a, b, s):
+                y = torch.nn.functional.linear(inp, dequantized(packed, absmax, spec))
+                kept = None
+                if p > 0.0:
+                    dropped, kept = torch.native_dropout(inp, p, True)
+                    kept = kernels.pack_mask(kept)
+                else:
+                    dropped = inp
+                h = dropped @ a.t()
+                y.addmm_(h, b.t(), alpha=s)
+                hs.append(h)
+                masks.append(kept)
+                return y
+
+            g = project(x2, gw, gabs, specs[0], lora[0], lora[1], scalings[0])
+            u = project(x2, uw, uabs, specs[1], lora[2], lora[3], scalings[1])
+            act = torch.nn.functional.silu(g) * u
+            del g, u
+            out = project(act, dw, dabs, specs[2], lora[4], lora[5], scalings[2])
+            ctx.save_for_backward(x2, *hs, *masks, gw, gabs, uw, uabs, dw, dabs, *lora)
+            ctx.specs, ctx.scalings, ctx.p = specs, scalings, p
+            ctx.x_dtype = x.dtype
+            ctx.lora_dtypes = [t.dtype for t in (ga, gb, ua, ub, da, db)]
+            out = out.reshape(*shape[:-1], out.shape[-1])
+            return out if out.dtype == x.dtype else out.to(x.dtype)
+
+        @staticmethod
+        def backward(ctx, dout):
+            (x2, hg, hu, hd, mg, mu, md, gw, gabs, uw, uabs, dw, dabs, ga, gb, ua, ub, da, db) = ctx.saved_tensors
+            specs, (gs, us, ds), p = ctx.specs, ctx.scalings, ctx.p
+            compute = specs[0][3]
+            shape = dout.shape
+            dy = dout.reshape(-1, shape[-1]).to(compute)
+            # gate and up again, from their saved LoRA-A outputs
+            g = x2 @ dequantized(gw, gabs, specs[0], copy=1).t()
+            g.addmm_(hg, gb.t(), alpha=gs)
+            u = x2 @ dequantized(uw, uabs, specs[1], copy=1).t()
+            u.addmm_(hu, ub.t(), alpha=us)
+            # The down projection's gradients and SwiGLU's, in one op that writes d gate and d up over g and u
+            # (_swiglu_backward_op): traced, the compiler fused and reordered this part into kernels that kept five
+            # or more tokens x intermediate tensors alive at once.
+            dh = (dy @ db).mul_(ds)
+            grad_db = (dy.t() @ hd).mul_(ds)
+            spec = specs[2]
+            grad_da = _swiglu_backward_op()(g, u, dy, dh, dw, dabs, da, md, spec[0], spec[1], list(spec[2]), spec[3],
+                                            p)
+            d_gate, d_up = g, u
+            del g, u
+            grads, dx = [], None
+            for d, h, mask, a, b, s, packed, absmax, spec in ((d_gate, hg, mg, ga, gb, gs, gw, gabs, specs[0]),
+                                                                (d_up, hu, mu, ua, ub, us, uw, uabs, specs[1])):
+                dh = (d @ b).mul_(s)
+                grads += [dh.t() @ (x2 if mask is None else masked(x2, mask, p)), (d.t() @ h).mul_(s)]
+                part = d @ dequantized(packed, absmax, spec, copy=2)
+                part = part.addmm_(dh, a) if mask is None else part + masked(dh @ a, mask, p)
+                dx = part if dx is None else dx + part
+            grads += [grad_da, grad_db]
+            grads = [g.to(t) for g, t in zip(grads, ctx.lora_dtypes)]
+            dx = dx.reshape(*shape[:-1], dx.shape[-1]).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+            return (dx, *grads, None, None, None, None, None, None, None, None, None)
+
+    return QLoRAMLP
+
+
+_TRACED = None  # the QLoRAMLP class, built once, eagerly (as freetune.kernels' QLoRALinear: dynamo cannot trace a
+# class body)
+
+
+def traced_mlp(x, projections, dropout_p: float):
+    """down(silu(gate(x)) * up(x)) for three fused LoRA layers (kernels.fused_call_args of gate, up, down), as one
+    autograd.Function that compiled layers trace into their graph."""
+    fn = _TRACED if _TRACED is not None else _traced_class()
+    gate, up, down = projections
+    return fn.apply(x, gate["lora_a"], gate["lora_b"], up["lora_a"], up["lora_b"], down["lora_a"], down["lora_b"],
+                    gate["weight"], gate["absmax"], up["weight"], up["absmax"], down["weight"], down["absmax"],
+                    (gate["spec"], up["spec"], down["spec"]), (gate["scaling"], up["scaling"], down["scaling"]),
+                    float(dropout_p))
+
+
+def _traced_class():
+    """The QLoRAMLP class and the op its backward calls, made once, eagerly (dynamo cannot trace either's making)."""
+    global _TRACED
+    if _TRACED is None:
+        _swiglu_backward_op()
+        _TRACED = _traced_function()
+    return _TRACED
+
+
 def qlora_mlp(x, projections, dropout_p: float, chunk: int = CHUNK_TOKENS):
     """down(silu(gate(x)) * up(x)) for three fused LoRA layers (kernels.fused_call_args of gate, up, down)."""
     if "op" not in _OP:
@@ -290,10 +468,12 @@ def _fused_mlp_forward(self, x, *args, **kwargs):
     ps = {p["dropout_p"] for p in projections if p is not None}
     if args or kwargs or any(p is None for p in projections) or len(ps) != 1:
         return type(self).forward(self, x, *args, **kwargs)
+    if self._freetune_mlp_kernel == "traced":
+        return traced_mlp(x, projections, ps.pop())
     return qlora_mlp(x, projections, ps.pop(), self._freetune_chunk)
 
 
-def use_fused_mlp(model, chunk: int = CHUNK_TOKENS) -> tuple[int, int]:
+def use_fused_mlp(model, chunk: int = CHUNK_TOKENS, kernel: str = "chunked") -> tuple[int, int]:
     """Give every SwiGLU MLP of `model` whose gate, up and down projections are fused LoRA layers (run
     kernels.use_fused_lora first) the chunked forward; returns (fused MLPs, MLPs seen). Idempotent; the module's own
     forward takes over for evaluation and anything else the op does not do."""
@@ -306,7 +486,11 @@ def use_fused_mlp(model, chunk: int = CHUNK_TOKENS) -> tuple[int, int]:
         if why or not all(getattr(getattr(module, n), kernels.FUSED_ATTR, False)
                           for n in ("gate_proj", "up_proj", "down_proj")):
             continue
-        module._freetune_chunk = int(chunk)
+        if kernel not in ("chunked", "traced"):
+            raise ValueError(f"MLP kernel {kernel!r}: 'chunked' or 'traced'")
+        module._freetune_chunk, module._freetune_mlp_kernel = int(chunk), kernel
+        if kernel == "traced":
+            _traced_class()  # now, eagerly: the compiled layers only read it
         if not getattr(module, FUSED_MLP_ATTR, False):
             overrides.replace_forward(module, _fused_mlp_forward)
             setattr(module, FUSED_MLP_ATTR, True)

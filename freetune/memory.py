@@ -38,8 +38,6 @@ GIB = 2**30
 # NF4 stores two weights per byte. Double quantisation keeps one 8-bit absmax per block of 64 weights, plus one
 # fp32 absmax per 256 of those blocks; single quantisation keeps one fp32 absmax per 64 weights.
 NF4_BYTES_PER_PARAM = {True: 0.5 + 1 / 64 + 4 / (64 * 256), False: 0.5 + 4 / 64}
-# freetune.kernels' fused layers keep a double-quantised weight's absmax values dequantised to fp32: 4 bytes a block.
-FUSED_ABSMAX_BYTES_PER_PARAM = 4 / 64
 
 # Optimizer state bytes per trainable parameter. 8-bit AdamW (bitsandbytes) keeps two 1-byte moments; the
 # paged variant may move them to CPU memory under pressure, so counting them on the GPU is the safe side.
@@ -267,17 +265,26 @@ def packed_mask_saving(shape: ModelShape, lora_targets="all-linear") -> float:
     return PACKED_MASK_SAVING * sum(dims[m][0] for m in shape.lora_modules(lora_targets))
 
 
-# freetune.fused_mlp's backward: g, u, the activation's gradient and one more chunk-sized tensor at a time.
+# freetune.fused_mlp's chunked op's backward: g, u, the activation's gradient and one more chunk-sized tensor at a time.
 MLP_CHUNK_BUFFERS = 4
+# freetune.fused_mlp's traced function's backward: g, u and the activation's gradient for every token (d gate and d up
+# take g's and u's place), besides one chunk of the down projection's LoRA term.
+TRACED_MLP_BUFFERS = 3
 
 
-def mlp_chunk_bytes(shape: ModelShape, compute_dtype: str = "bfloat16") -> float:
-    """Bytes one layer's backward holds through freetune.fused_mlp whatever the token count: its chunk-sized
-    intermediate tensors (MLP_CHUNK_BUFFERS of CHUNK_TOKENS x intermediate) and the three dequantised weights."""
+def mlp_chunk_bytes(shape: ModelShape, compute_dtype: str = "bfloat16", mlp_kernel: str = "chunked") -> float:
+    """Bytes one layer's backward holds through freetune.fused_mlp whatever the token count: the chunked op, its
+    chunk-sized intermediate tensors (MLP_CHUNK_BUFFERS of CHUNK_TOKENS x intermediate) and the three dequantised
+    weights; the traced function, one chunk of the LoRA term and one dequantised weight (its per-token part is in
+    activation_bytes_per_token). 0 for the per-projection MLP."""
     from freetune.fused_mlp import CHUNK_TOKENS
 
     width = 2 if _is_16bit(compute_dtype) else 4
-    return (MLP_CHUNK_BUFFERS * CHUNK_TOKENS + 3 * shape.hidden) * shape.intermediate * width
+    if mlp_kernel == "chunked":
+        return (MLP_CHUNK_BUFFERS * CHUNK_TOKENS + 3 * shape.hidden) * shape.intermediate * width
+    if mlp_kernel == "traced":
+        return (CHUNK_TOKENS + shape.hidden) * shape.intermediate * width
+    return 0.0
 
 
 def activation_bytes_per_token(shape: ModelShape, *, lora_rank: int, lora_targets="all-linear",
@@ -289,8 +296,9 @@ def activation_bytes_per_token(shape: ModelShape, *, lora_rank: int, lora_target
     backward reaches it, and what one layer's backward adds on top (with checkpointing its recompute, too). The loss
     head runs between the two: the peak is resident + the larger of the head and the transient part.
 
-    mlp_kernel "chunked" (freetune.fused_mlp): the MLP saves only its down projection's dropout mask as bits per
-    intermediate element, and its backward's intermediate tensors are chunk-sized (mlp_chunk_bytes, counted apart)."""
+    mlp_kernel "chunked" or "traced" (freetune.fused_mlp): the MLP saves only its down projection's dropout mask as bits
+    per intermediate element; the chunked op's backward holds chunk-sized intermediate tensors (mlp_chunk_bytes,
+    counted apart), the traced function's TRACED_MLP_BUFFERS of them per token."""
     c = ACTIVATION_BYTES["16" if _is_16bit(compute_dtype) else "32"]
     per_layer = layer_activation_bytes(shape, lora_rank=lora_rank, lora_targets=lora_targets,
                                        compute_dtype=compute_dtype)
@@ -306,9 +314,11 @@ def activation_bytes_per_token(shape: ModelShape, *, lora_rank: int, lora_target
             per_layer -= packed_mask_saving(shape, lora_targets)
             intermediate -= PACKED_MASK_SAVING * shape.intermediate  # the down projection's mask
     backward = BACKWARD_BYTES["hidden"] * shape.hidden + BACKWARD_BYTES["intermediate"] * shape.intermediate
-    if mlp_kernel == "chunked":
+    if mlp_kernel in ("chunked", "traced"):
         per_layer += shape.intermediate / 8 - intermediate
         backward -= BACKWARD_BYTES["intermediate"] * shape.intermediate
+    if mlp_kernel == "traced":
+        backward += TRACED_MLP_BUFFERS * (2 if _is_16bit(compute_dtype) else 4) * shape.intermediate
     residual = 2 if _is_16bit(frozen_dtype) else 4
     # The embedding output and the final norm's input/output.
     outside_layers = 3 * residual * shape.hidden
@@ -354,13 +364,14 @@ def estimate(shape: ModelShape, *, max_length: int, micro_batch: int, lora_rank:
     unit, so they are not upcast to fp32), and each GPU also holds what FSDP gathers to compute: the root unit
     (embeddings, lm_head, final norm) and two decoder layers (the one running and the one prefetched).
 
-    lora_kernel "fused" (freetune.kernels, never under FSDP): each double-quantised weight also keeps its absmax
-    values dequantised once to fp32, 4 bytes per 64 weights. mlp_kernel "chunked": freetune.fused_mlp.
+    lora_kernel "fused" (freetune.kernels, never under FSDP): each double-quantised weight keeps its absmax values
+    dequantised once to fp32 (4 bytes per 64 weights) instead of 8-bit. mlp_kernel "chunked" or "traced": freetune.fused_mlp.
     """
     tokens = micro_batch * max_length
-    weights_4bit = shape.quantized_params * NF4_BYTES_PER_PARAM[double_quant]
-    if lora_kernel == "fused" and double_quant and shards == 1:
-        weights_4bit += shape.quantized_params * FUSED_ABSMAX_BYTES_PER_PARAM
+    # The fused layers keep a double-quantised weight's absmax values in fp32 instead (freetune.kernels.quant_args):
+    # its memory is then a single-quantised one's.
+    fused = lora_kernel == "fused" and shards == 1
+    weights_4bit = shape.quantized_params * NF4_BYTES_PER_PARAM[double_quant and not fused]
     # frozen_dtype float32: peft's prepare_model_for_kbit_training casts every non-4-bit parameter to fp32, whatever
     # dtype it loaded in; 16-bit: freetune keeps them as loaded (Plan.frozen_dtype).
     other_weights = shape.other_params * (2 if _is_16bit(frozen_dtype) else 4)
@@ -382,7 +393,7 @@ def estimate(shape: ModelShape, *, max_length: int, micro_batch: int, lora_rank:
                                                       lora_kernel=lora_kernel, compiled=compiled,
                                                       checkpoint_every=checkpoint_every, mlp_kernel=mlp_kernel)
     head = loss_head_bytes(shape, tokens, compute_dtype=compute_dtype, loss_head=loss_head)
-    layer_backward = tokens * transient + (mlp_chunk_bytes(shape, compute_dtype) if mlp_kernel == "chunked" else 0)
+    layer_backward = tokens * transient + mlp_chunk_bytes(shape, compute_dtype, mlp_kernel)
     activations = tokens * resident + max(0.0, layer_backward - head)  # the head's part is counted apart
     allocated = weights_4bit + other_weights + lora + optimizer_state + activations + head
     on_gpu = device == "cuda"

@@ -262,6 +262,17 @@ def fusable(module) -> str:
     return ""
 
 
+def single_quantised(quant_state, absmax) -> None:
+    """bitsandbytes 0.50: a double-quantised weight's QuantState made single-quantised, its absmax values `absmax`
+    (dequantised once to fp32 by freetune.kernels.quant_args). The 8-bit values and their own state go (nothing reads
+    them any more); bitsandbytes' own kernels (generation, merging an adapter) read the fp32 values as they read any
+    single-quantised weight's."""
+    quant_state.absmax = absmax
+    quant_state.nested = False
+    quant_state.state2 = None
+    quant_state.offset = None
+
+
 # transformers 5.17's Llama, Qwen2, Qwen3 and Mistral MLPs: forward is down_proj(act_fn(gate_proj(x)) * up_proj(x)).
 SWIGLU_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP")
 

@@ -224,7 +224,9 @@ class Plan:
     offload_activations: bool = False  # checkpointed layers' inputs kept in pinned host memory, not on the GPU
     loss_tile_tokens: int = 0   # tokens per tile of TRL's chunked loss head (0: TRL's own, 4,096)
     checkpoint_every: int = 1   # with checkpointing on, every n-th decoder layer is checkpointed (1: all of them)
-    mlp_kernel: str = "layers"  # "chunked" (freetune.fused_mlp: the SwiGLU MLP in token chunks) | "layers"
+    # "traced" (freetune.fused_mlp: the SwiGLU MLP as one autograd node, gate and up recomputed in its backward) |
+    # "chunked" (the same as one op over token chunks) | "layers" (each projection on its own)
+    mlp_kernel: str = "layers"
     asked: dict = field(default_factory=dict)  # make_plan's arguments (hardware apart), for replan
     memory: MemoryEstimate | None = None
     machine: str = ""
@@ -587,7 +589,7 @@ def _final_step(plan: Plan, hardware: Hardware, sizing: _Sizing, compile: str) -
         plan.reasons["gradient_checkpointing"] += f"; {plan.reasons['offload']}"
     plan.checkpoint_every = memory.settings.get("checkpoint_every", 1) if memory is not None else 1
     plan.mlp_kernel = memory.settings.get("mlp_kernel", "layers") if memory is not None else "layers"
-    if plan.mlp_kernel == "chunked" and plan.lora_kernel != "fused":  # FSDP took over after the memory step
+    if plan.mlp_kernel != "layers" and plan.lora_kernel != "fused":  # FSDP took over after the memory step
         plan.mlp_kernel, plan.reasons["mlp_kernel"] = "layers", "the final layout has no fused LoRA layers"
 
 

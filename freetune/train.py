@@ -352,9 +352,11 @@ def _speed_up(trainer, plan: Plan) -> None:
     if plan.lora_kernel == "fused":
         fused, seen = kernels.use_fused_lora(trainer.model)
         print0(f"LoRA kernel: fused on {fused} of {seen} LoRA layers (freetune.kernels).")
-    if plan.mlp_kernel == "chunked":
-        fused, seen = fused_mlp.use_fused_mlp(trainer.model)
-        print0(f"MLP kernel: {fused} of {seen} MLPs in chunks of {fused_mlp.CHUNK_TOKENS} tokens (freetune.fused_mlp).")
+    if plan.mlp_kernel in ("chunked", "traced"):
+        fused, seen = fused_mlp.use_fused_mlp(trainer.model, kernel=plan.mlp_kernel)
+        how = (f"in chunks of {fused_mlp.CHUNK_TOKENS} tokens" if plan.mlp_kernel == "chunked"
+               else "as one node each, gate and up recomputed in the backward")
+        print0(f"MLP kernel: {fused} of {seen} MLPs {how} (freetune.fused_mlp).")
     overrides.set_loss_tile_tokens(plan.loss_tile_tokens)
     if torch.cuda.is_available() and plan.batching == "padding_free":
         # Probed now, eagerly, in this process (a torchrun rank too): the attention layers only read the result.

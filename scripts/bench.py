@@ -729,7 +729,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "(e.g. 'eager:compile=false;peft:lora_kernel=peft,optimizer=paged_adamw_8bit'); also the "
                              "experiments liger=true (Liger's RMSNorm/SwiGLU/RoPE, liger-kernel installed), "
                              "cpp_wrapper=true (inductor's C++ wrapper), byte_masks=true (dropout masks a byte per "
-                             "element, as before freetune.kernels.pack_mask; not with mlp_kernel=chunked), "
+                             "element, as before freetune.kernels.pack_mask; with mlp_kernel=layers only), "
                              "dense_head=true and no_packed_check=true (two host syncs per step removed), "
                              "pin_cores=true (apply_experiments) and "
                              "the DDP settings ddp_split=true, "
@@ -1100,7 +1100,8 @@ def table(report: dict) -> str:
                       r.get("checkpointing") or ("off" if not r["gradient_checkpointing"] else
                                                  "offload" if r.get("offload_activations") else "on"), r["batching"],
                       r.get("sampler", ""), r.get("attention", ""),
-                      r.get("lora_kernel", "") + ("+mlp" if r.get("mlp_kernel") == "chunked" else ""),
+                      r.get("lora_kernel", "") + ("" if r.get("mlp_kernel", "layers") == "layers"
+                                                  else f"+{r['mlp_kernel']}"),
                       f"{r['profile']['gpu_busy_share']:.0%}" if r.get("profile", {}).get("gpu_busy_share") else "",
                       f"{r['tokens_per_s']:.0f}",
                       f"{r['step_s']:.2f}", f"{r.get('peak_allocated_gib', r.get('peak_rss_gib', 0)):.2f}",

@@ -12,37 +12,41 @@ from freetune.preflight import Hardware
 from test_kernels import gpu, loss_and_grads, quantized_lora_model
 
 
-def fused_model(model_dir, dtype, chunk, dropout=0.0):
+def fused_model(model_dir, dtype, chunk, dropout=0.0, kernel="chunked"):
     model = quantized_lora_model(model_dir, dtype, dropout=dropout)
     kernels.use_fused_lora(model)
-    fused, seen = fused_mlp.use_fused_mlp(model, chunk=chunk)
+    fused, seen = fused_mlp.use_fused_mlp(model, chunk=chunk, kernel=kernel)
     assert fused == seen == len(model.get_base_model().model.layers)
-    assert fused_mlp.use_fused_mlp(model, chunk=chunk) == (fused, seen)  # idempotent
+    assert fused_mlp.use_fused_mlp(model, chunk=chunk, kernel=kernel) == (fused, seen)  # idempotent
     return model
 
 
+@pytest.mark.parametrize("kernel", ["chunked", "traced"])
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 0.05)])
-def test_the_chunked_mlp_gives_peft_loss_and_gradients(tiny_model_dir, dtype, tolerance):
-    """64 tokens in chunks of 24 (the last one shorter): the loss and every adapter weight's gradient as peft's layers
-    give them (fp32: up to summation order; bf16: rounding in another order)."""
+def test_the_fused_mlp_gives_peft_loss_and_gradients(tiny_model_dir, dtype, tolerance, kernel):
+    """64 tokens (chunked: in chunks of 24, the last one shorter; traced: one autograd node): the loss and every adapter
+    weight's gradient as peft's layers give them (fp32: up to summation order; bf16: rounding in another order)."""
     ids = torch.randint(3, 500, (1, 64), generator=torch.Generator().manual_seed(1))
     autocast = dtype if dtype != torch.float32 else None
     want = loss_and_grads(quantized_lora_model(tiny_model_dir, dtype), ids, autocast)
-    got = loss_and_grads(fused_model(tiny_model_dir, dtype, chunk=24), ids, autocast)
+    got = loss_and_grads(fused_model(tiny_model_dir, dtype, chunk=24, kernel=kernel), ids, autocast)
     assert got[0] == pytest.approx(want[0], rel=1e-5 if dtype == torch.float32 else 1e-3)
     assert got[1].keys() == want[1].keys()
     errors = sorted(((got[1][n] - g).norm() / g.norm()).item() for n, g in want[1].items())
     assert errors[-1] < tolerance, errors[-5:]
 
 
-def test_dropout_drops_the_same_inputs_in_the_forward_and_the_backward(tiny_model_dir):
-    """With dropout the op draws each chunk's masks (gate's and up's over x, down's over the activation) and must use
-    the same ones for the gradients, read back from their bits. The reference draws the same masks (same seed, same
-    kernel, same order) and differentiates plain tensor code with autograd."""
+@pytest.mark.parametrize("kernel, chunk", [("chunked", 5), ("traced", 18)])
+def test_dropout_drops_the_same_inputs_in_the_forward_and_the_backward(tiny_model_dir, kernel, chunk, monkeypatch):
+    """With dropout the op draws each chunk's masks (gate's and up's over x, down's over the activation; the traced
+    function: all 18 tokens at once, its backward's op then in chunks of 5) and must use the same ones for the
+    gradients, read back from their bits. The reference draws the same masks (same seed, same kernel, same order) and
+    differentiates plain tensor code with autograd."""
     import bitsandbytes.functional as bnbf
 
-    p, chunk = 0.3, 5
-    model = fused_model(tiny_model_dir, torch.float32, chunk=chunk, dropout=p)
+    monkeypatch.setattr(fused_mlp, "CHUNK_TOKENS", 5)  # the traced function's backward chunks (the op's: `chunk`)
+    p = 0.3
+    model = fused_model(tiny_model_dir, torch.float32, chunk=chunk, dropout=p, kernel=kernel)
     mlp = model.get_base_model().model.layers[0].mlp
     x = torch.randn(2, 9, mlp.gate_proj.in_features, generator=torch.Generator().manual_seed(2))
     dy = torch.randn(2, 9, mlp.down_proj.out_features, generator=torch.Generator().manual_seed(3))
@@ -85,10 +89,11 @@ def test_dropout_drops_the_same_inputs_in_the_forward_and_the_backward(tiny_mode
     assert 0.55 < torch.stack(kept).mean().item() < 0.85  # about 1 - p of the inputs reach the adapters
 
 
-def test_the_mlp_keeps_no_tokens_by_intermediate_tensor_for_its_backward(tiny_model_dir):
+@pytest.mark.parametrize("kernel", ["chunked", "traced"])
+def test_the_mlp_keeps_no_tokens_by_intermediate_tensor_for_its_backward(tiny_model_dir, kernel):
     """What autograd keeps of one MLP for its backward: with the fused projections, their gate and up outputs and the
-    activation (tokens x intermediate each); with the chunked op, nothing that wide: its input, the LoRA-A outputs
-    (tokens x r) and the masks as bits."""
+    activation (tokens x intermediate each); with the chunked op or the traced function, nothing that wide: its
+    input, the LoRA-A outputs (tokens x r) and the masks as bits."""
     model = quantized_lora_model(tiny_model_dir, torch.float32, dropout=0.1)
     kernels.use_fused_lora(model)
     mlp = model.get_base_model().model.layers[0].mlp
@@ -107,7 +112,7 @@ def test_the_mlp_keeps_no_tokens_by_intermediate_tensor_for_its_backward(tiny_mo
         return [s for s in saved if s[0][-1] == inter and s[0][0] in (tokens, 1) and s[1] != torch.uint8]
 
     assert len(wide(saved_shapes())) >= 2  # the per-projection path
-    fused_mlp.use_fused_mlp(model, chunk=5)
+    fused_mlp.use_fused_mlp(model, chunk=5, kernel=kernel)
     saved = saved_shapes()
     assert wide(saved) == [], wide(saved)
     assert ((tokens, -(-inter // 8)), torch.uint8) in saved  # the down projection's mask, as bits
@@ -116,10 +121,11 @@ def test_the_mlp_keeps_no_tokens_by_intermediate_tensor_for_its_backward(tiny_mo
         assert torch.equal(mlp(x), type(mlp).forward(mlp, x))
 
 
-def test_a_compiled_checkpointed_layer_with_the_chunked_mlp_trains_like_an_eager_one(tiny_model_dir):
-    """The op inside compile_layers' decoder layers (aot_eager: dynamo and the autograd graph as inductor sees them),
-    under gradient checkpointing (the plan uses it only there), over two lengths: same loss and gradients, one graph
-    per layer kind and no graph break."""
+@pytest.mark.parametrize("kernel", ["chunked", "traced"])
+def test_a_compiled_checkpointed_layer_with_the_fused_mlp_trains_like_an_eager_one(tiny_model_dir, kernel):
+    """The op (or the traced function and the op its backward calls) inside compile_layers' decoder layers (aot_eager:
+    dynamo and the autograd graph as inductor sees them), under gradient checkpointing (the plan uses it only there),
+    over two lengths: same loss and gradients, one graph per layer kind and no graph break."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -128,7 +134,7 @@ def test_a_compiled_checkpointed_layer_with_the_chunked_mlp_trains_like_an_eager
         model = quantized_lora_model(tiny_model_dir, torch.float32)
         model.get_base_model().gradient_checkpointing_enable({"use_reentrant": False})
         kernels.use_fused_lora(model)
-        fused_mlp.use_fused_mlp(model, chunk=16)
+        fused_mlp.use_fused_mlp(model, chunk=16, kernel=kernel)
         models.append(model)
     eager, compiled = models
     torch._dynamo.reset()
@@ -151,29 +157,33 @@ def test_a_compiled_checkpointed_layer_with_the_chunked_mlp_trains_like_an_eager
         kernels.uncompile_layers(compiled)
 
 
-def test_the_plan_chunks_the_mlp_only_where_a_row_would_not_fit_without_it_and_counts_it():
-    """The chunked MLP is slower per token than the per-projection one (and than it at half the micro-batch, measured
-    on the GPU): the plan takes it only where even one row of max_length would not fit otherwise, instead of cutting
-    the rows."""
+def test_the_plan_takes_the_traced_mlp_where_every_layer_is_checkpointed_and_chunks_only_rows_that_would_not_fit():
+    """Every layer checkpointed (a small budget): the traced MLP (3 instead of 7 tokens x intermediate tensors in a
+    layer's backward, for two more matmuls); the chunked op, host-bound, only where even one row of max_length would
+    not fit otherwise, instead of cutting the rows; the per-projection MLP where layers keep their activations."""
     from freetune.preflight import make_plan
 
     t4 = gpu("Tesla T4", (7, 5), 14.7)
     small = make_plan(t4, model_shape="tinyllama-1.1b", memory_budget_gib=4.0)
-    assert small.checkpointing_text().startswith("on") and small.mlp_kernel == "layers"
-    assert "fits with it" in small.reasons["mlp_kernel"] and "MLP kernel" in small.table()
-    long_rows = make_plan(t4, model_shape="qwen3-8b", max_length=32768)
+    assert small.checkpointing_text().startswith("on") and small.mlp_kernel == "traced"
+    assert small.memory.settings["mlp_kernel"] == "traced" and "MLP kernel" in small.table()
+    assert "3 instead of 7" in small.reasons["mlp_kernel"]
+    long_rows = make_plan(t4, model_shape="qwen2.5-1.5b", max_length=32768, memory_budget_gib=4.0)
     assert long_rows.mlp_kernel == "chunked" and long_rows.memory.settings["mlp_kernel"] == "chunked"
     assert long_rows.max_length == 32768 and long_rows.memory.fits  # the rows are not cut
     assert "rows need not be cut" in long_rows.reasons["mlp_kernel"]
     assert make_plan(t4, model_shape="qwen2.5-1.5b").mlp_kernel == "layers"  # room for some layers unchecked
     cpu = make_plan(Hardware(ram_total_gib=16.0, ram_available_gib=12.0), model_shape="qwen3-8b", max_length=32768)
-    assert cpu.mlp_kernel == "layers"  # peft's layers on a CPU: nothing to chunk over
+    assert cpu.mlp_kernel == "layers"  # peft's layers on a CPU: nothing to fuse
 
     shape = ModelShape.named("tinyllama-1.1b")
     common = dict(max_length=1024, micro_batch=8, lora_kernel="fused", compiled=True, compute_dtype="float16",
                   frozen_dtype="float16", gradient_checkpointing=True, offload_activations=True)
-    layers, chunked = estimate(shape, **common), estimate(shape, **common, mlp_kernel="chunked")
-    saved = (layers.activations_gib - chunked.activations_gib) * 2**30
-    # One layer's backward: its intermediate tensors for 8,192 tokens, less the chunk-sized ones and three weights.
-    assert 0.2 * 2**30 < saved < 0.6 * 2**30, saved / 2**30
-    assert chunked.settings["mlp_kernel"] == "chunked"
+    layers, traced, chunked = (estimate(shape, **common, mlp_kernel=k) for k in ("layers", "traced", "chunked"))
+    mib = 2**20
+    # One layer's backward at 8,192 tokens: each tokens x intermediate tensor is 88 MiB; the traced function holds
+    # four fewer than the per-projection MLP (less its fixed chunk and weight), the chunked op fewer still.
+    saved_traced = (layers.activations_gib - traced.activations_gib) * 2**30 / mib
+    saved_chunked = (layers.activations_gib - chunked.activations_gib) * 2**30 / mib
+    assert 150 < saved_traced < saved_chunked < 600, (saved_traced, saved_chunked)
+    assert traced.settings["mlp_kernel"] == "traced" and chunked.settings["mlp_kernel"] == "chunked"

@@ -65,20 +65,35 @@ def test_the_fused_dequantisation_is_bitsandbytes_own(nested, dtype):
     assert (got.float() - weight.float()).abs().mean() < 0.1  # and it is the weight, not some other tensor
 
 
-def test_the_fp32_absmax_copies_are_what_the_memory_estimate_counts(tiny_model_dir):
+def test_the_fused_layers_keep_fp32_absmax_values_instead_of_8bit_ones_as_the_memory_estimate_counts(tiny_model_dir):
     """The fused layers keep every double-quantised weight's absmax values in fp32 (dequantised once, not in every
-    forward and backward): exactly the bytes freetune.memory.estimate adds for lora_kernel "fused"."""
+    forward and backward) and drop the 8-bit ones: bitsandbytes' own forward (generation) then reads the fp32 values
+    and gives what it gave before, and the bytes are what freetune.memory.estimate counts for lora_kernel "fused"."""
+    from peft.tuners.lora import LoraLayer
+
     from freetune.memory import ModelShape, estimate
 
     model = quantized_lora_model(tiny_model_dir, torch.float32)
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    states = [m.base_layer.weight.quant_state for m in layers]
+    assert all(st.nested for st in states)
+    dropped = sum(st.absmax.numel() * st.absmax.element_size() + st.state2.absmax.numel() * 4 for st in states)
+    x = torch.randn(3, layers[0].in_features, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        before = layers[0].base_layer(x)
     fused, _ = kernels.use_fused_lora(model)
     copies = [m._freetune_absmax for m in model.modules() if getattr(m, kernels.FUSED_ATTR, False)]
-    assert len(copies) == fused > 0 and all(c.dtype == torch.float32 for c in copies)
+    assert len(copies) == fused == len(layers) and all(c.dtype == torch.float32 for c in copies)
+    assert all(not st.nested and st.state2 is None and st.absmax is c for st, c in zip(states, copies))
+    with torch.no_grad():
+        assert torch.equal(layers[0].base_layer(x), before)
+    assert kernels.use_fused_lora(model)[0] == fused  # idempotent on the single-quantised state
     shape = ModelShape.named(str(tiny_model_dir))
     common = dict(max_length=64, micro_batch=1, device="cpu", compute_dtype="float32")
     added = (estimate(shape, lora_kernel="fused", **common).weights_4bit_gib
              - estimate(shape, lora_kernel="peft", **common).weights_4bit_gib) * 2**30
-    assert added == pytest.approx(sum(c.numel() * c.element_size() for c in copies))
+    # (rel: the estimate counts the 8-bit values' own fp32 absmax per 256 blocks, not rounded up per layer)
+    assert added == pytest.approx(sum(c.numel() * c.element_size() for c in copies) - dropped, rel=0.02)
     # Under FSDP the fused layers never run, and without double quantisation bitsandbytes' absmax is fp32 already.
     for other in (dict(shards=2), dict(double_quant=False)):
         assert (estimate(shape, lora_kernel="fused", **common, **other).weights_4bit_gib
