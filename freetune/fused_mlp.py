@@ -315,6 +315,8 @@ _SWIGLU_BACKWARD: dict = {}  # "op": freetune::swiglu_backward_, defined once pe
 
 
 def _swiglu_backward_op():
+    """freetune::swiglu_backward_ (_swiglu_backward_impl): a custom op that mutates g and u, so that the compiled
+    graph runs it as written, in place, instead of fusing and reordering its parts."""
     if "op" not in _SWIGLU_BACKWARD:
         import torch
 
@@ -345,7 +347,7 @@ def _traced_function():
     class QLoRAMLP(torch.autograd.Function):
         """down(silu(gate(x)) * up(x)) over three fused 4-bit LoRA layers as one autograd node, traced into the
         compiled decoder layer (no op boundary: its elementwise work fuses with the layer's). The forward saves the
-        input, the LoRA-A outputs (tokens x r) and dropout's masks (bits when compiled); the backward computes gate
+        input, the LoRA-A outputs (tokens x r) and dropout's masks as bits; the backward computes gate
         and up again (two more 4-bit matmuls, on a GPU that waits for the host anyway) and lets them die into their
         own gradients, so the wide tensors alive at once are those of one step of the backward, not the forward's
         gate and up outputs kept beside all of them."""
@@ -475,8 +477,9 @@ def _fused_mlp_forward(self, x, *args, **kwargs):
 
 def use_fused_mlp(model, chunk: int = CHUNK_TOKENS, kernel: str = "chunked") -> tuple[int, int]:
     """Give every SwiGLU MLP of `model` whose gate, up and down projections are fused LoRA layers (run
-    kernels.use_fused_lora first) the chunked forward; returns (fused MLPs, MLPs seen). Idempotent; the module's own
-    forward takes over for evaluation and anything else the op does not do."""
+    kernels.use_fused_lora first) the fused forward: kernel "traced" (QLoRAMLP) or "chunked" (qlora_mlp, in chunks of
+    `chunk` tokens); returns (fused MLPs, MLPs seen). Idempotent; the module's own forward takes over for evaluation
+    and anything else the fused one does not do."""
     fused = seen = 0
     for module in model.modules():
         why = overrides.fusable_mlp(module)
