@@ -249,7 +249,7 @@ def choose_lora_kernel(device: str, layout: str) -> tuple[str, str]:
                      "small model is bound by kernel launches, not by the GPU's arithmetic")
 
 
-def choose_mlp_kernel(shape, budget_gib: float, max_length: int, micro_batch: int, common: dict) -> tuple[str, str]:
+def choose_mlp_kernel(shape, budget_gib: float, max_length: int, common: dict) -> tuple[str, str]:
     """(MLP kernel, why), where every layer is checkpointed (memory is tight): "traced" (freetune.fused_mlp: the SwiGLU
     MLP as one autograd node in the compiled layer; its backward recomputes gate and up, two more 4-bit matmuls per
     layer on a GPU that waits for the host anyway, and holds three tokens x intermediate tensors instead of seven);

@@ -134,15 +134,15 @@ def _efficient_op():
         per = k.shape[1] // count
         return [(slice(i * per * groups, (i + 1) * per * groups), slice(i * per, (i + 1) * per)) for i in range(count)]
 
-    def repeated(q, t):
-        """k or v (tokens, kv heads, dim) with each head repeated for the q heads that read it."""
-        groups = q.shape[1] // t.shape[1]
+    def repeated(t, groups: int):
+        """k or v (tokens, kv heads, dim) with each head repeated for the `groups` q heads that read it."""
         return t if groups == 1 else t.repeat_interleave(groups, dim=1)
 
     def forward_4d(q, k, v, cu, max_len, scale):
+        groups = q.shape[1] // k.shape[1]
         outs, lses = [], []
         for qs, ks in parts(q, k):
-            qp, kp, vp = q[:, qs].contiguous(), repeated(q[:, qs], k[:, ks]), repeated(q[:, qs], v[:, ks])
+            qp, kp, vp = q[:, qs].contiguous(), repeated(k[:, ks], groups), repeated(v[:, ks], groups)
             # (1, tokens, heads, dim), as the kernel takes batches; custom_mask_type 1: causal from each row's start.
             # The logsumexp is what the backward needs; the dropout seeds are not (no dropout in attention).
             out, lse = torch.ops.aten._efficient_attention_forward(qp[None], kp[None], vp[None], None, cu, cu,
@@ -173,18 +173,18 @@ def _efficient_op():
                 grad[None], q[None], k[None], v[None], None, out[None], cu, cu, max_len, max_len, lse, 0.0, unused,
                 unused, 1, False, scale=scale)
             return dq[0].contiguous(), dk[0].contiguous(), dv[0].contiguous()
+        groups = q.shape[1] // k.shape[1]
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         for qs, ks in parts(q, k):
             qp = q[:, qs].contiguous()
-            kp, vp = repeated(qp, k[:, ks]), repeated(qp, v[:, ks])
+            kp, vp = repeated(k[:, ks], groups), repeated(v[:, ks], groups)
             dqp, dkp, dvp, _ = torch.ops.aten._efficient_attention_backward(
                 grad[:, qs].contiguous()[None], qp[None], kp[None], vp[None], None, out[:, qs].contiguous()[None], cu,
                 cu, max_len, max_len, lse[:, qs].contiguous(), 0.0, unused, unused, 1, False, scale=scale)
             dq[:, qs] = dqp[0]
-            groups = qp.shape[1] // k[:, ks].shape[1]
             # the repeated heads' gradients summed back onto each key/value head
-            dk[:, ks] = dkp[0].unflatten(1, (-1, groups)).sum(2) if groups > 1 else dkp[0]
-            dv[:, ks] = dvp[0].unflatten(1, (-1, groups)).sum(2) if groups > 1 else dvp[0]
+            dk[:, ks] = dkp[0].unflatten(1, (-1, groups)).sum(2)
+            dv[:, ks] = dvp[0].unflatten(1, (-1, groups)).sum(2)
         return dq, dk, dv
 
     @backward_op.register_fake

@@ -431,7 +431,7 @@ _TRACED = None  # the QLoRAMLP class, built once, eagerly (as freetune.kernels' 
 def traced_mlp(x, projections, dropout_p: float):
     """down(silu(gate(x)) * up(x)) for three fused LoRA layers (kernels.fused_call_args of gate, up, down), as one
     autograd.Function that compiled layers trace into their graph."""
-    fn = _TRACED if _TRACED is not None else _traced_class()
+    fn = _traced_class()
     gate, up, down = projections
     return fn.apply(x, gate["lora_a"], gate["lora_b"], up["lora_a"], up["lora_b"], down["lora_a"], down["lora_b"],
                     gate["weight"], gate["absmax"], up["weight"], up["absmax"], down["weight"], down["absmax"],

@@ -466,7 +466,7 @@ def _memory_step(plan: Plan, sizing: _Sizing, **lora) -> None:
                                                           sizing.micro_batch or sizing.cap, common)
         common["offload_activations"] = offload
     common["mlp_kernel"], plan.reasons["mlp_kernel"] = choose_mlp_kernel(sizing.shape, sizing.budget, sizing.sized,
-                                                                         sizing.micro_batch or sizing.cap, common)
+                                                                         common)
     warnings_before = len(plan.warnings)
     _fit_batch(plan, sizing)
     _shard_if_needed(plan, sizing, warnings_before)
