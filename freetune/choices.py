@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from freetune.errors import FreetuneError
 from freetune.fast import POLICY_BACKENDS, VARLEN_ATTENTION, VARLEN_KERNEL_NAMES, varlen_backend, varlen_works
-from freetune.memory import ModelShape, estimate
+from freetune.memory import TILE_TOKENS, ModelShape, estimate
 
 if TYPE_CHECKING:
     from freetune.preflight import Hardware
@@ -252,7 +252,8 @@ def choose_lora_kernel(device: str, layout: str) -> tuple[str, str]:
 def choose_mlp_kernel(shape, budget_gib: float, max_length: int, common: dict) -> tuple[str, str]:
     """(MLP kernel, why), where every layer is checkpointed (memory is tight): "traced" (freetune.fused_mlp: the SwiGLU
     MLP as one autograd node in the compiled layer; its backward recomputes gate and up, two more 4-bit matmuls per
-    layer on a GPU that waits for the host anyway, and holds three tokens x intermediate tensors instead of seven);
+    layer on a GPU that waits for the host anyway, and holds two tokens x intermediate tensors instead of seven, and two
+    chunks of them);
     "chunked" (the same as one op over token chunks) only where not even one row of max_length fits with the traced
     function, so that rows are not cut: it is host-bound, at about half the tokens/s (docs/performance.md). "layers"
     (each projection a fused LoRA layer) where not every layer is checkpointed: the gate and up outputs are then
@@ -266,12 +267,26 @@ def choose_mlp_kernel(shape, budget_gib: float, max_length: int, common: dict) -
     one_row = estimate(shape, max_length=max_length, micro_batch=1, **settings)
     if one_row.total_gib <= budget_gib:
         return "traced", ("every layer is checkpointed: the MLP's backward recomputes gate and up instead of keeping "
-                          "them and holds 3 instead of 7 tokens x intermediate tensors (freetune.fused_mlp), for a "
+                          "them and holds 2 instead of 7 tokens x intermediate tensors (freetune.fused_mlp), for a "
                           "larger micro-batch in the same memory")
     chunked = estimate(shape, max_length=max_length, micro_batch=1, **{**settings, "mlp_kernel": "chunked"})
     return "chunked", (f"one row of {max_length} tokens needs ~{one_row.total_gib:.1f} GiB with the MLP as one node, "
                        f"~{chunked.total_gib:.1f} with its backward in chunks of tokens (freetune.fused_mlp), "
                        f"of {budget_gib:.1f} GiB: rows need not be cut")
+
+
+# Tokens per tile of TRL's chunked loss head where every layer is checkpointed (memory is tight): a tile holds this many
+# tokens x 32,768 logits in the compute dtype, recomputed in the backward; smaller tiles are only more, smaller matmuls.
+TIGHT_LOSS_TILE_TOKENS = 1024
+
+
+def choose_loss_tile(common: dict) -> tuple[int, str]:
+    """(tokens per tile of TRL's chunked loss head, 0 for TRL's own; why)."""
+    tight = common.get("gradient_checkpointing") and common.get("checkpoint_every", 1) == 1
+    if common.get("device") != "cuda" or common.get("loss_head", "chunked") != "chunked" or not tight:
+        return 0, f"TRL's {TILE_TOKENS:,} tokens per tile"
+    return TIGHT_LOSS_TILE_TOKENS, (f"{TIGHT_LOSS_TILE_TOKENS:,} tokens per tile, not TRL's {TILE_TOKENS:,}: every "
+                                    f"layer is checkpointed, and a tile of logits is a real share of the memory")
 
 
 def choose_compile(compile_layers: str, device: str, layout: str) -> tuple[bool, str]:

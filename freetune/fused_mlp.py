@@ -18,12 +18,12 @@ of the input, with and without dropout).
 
 "traced" (QLoRAMLP, the plan's choice wherever every layer is checkpointed): the compiled layer traces the function
 into its graph, so its element-wise work fuses with the layer's and no launch is added beyond the two matmuls (on a
-GPU that waits for the host anyway: the same tokens/s as the per-projection MLP, measured). Its backward keeps three
-tokens x intermediate tensors (g, u, the activation's gradient) instead of seven; the middle of it is one custom op
-(swiglu_backward_) that mutates g and u, because traced as plain code the compiler fused and reordered it into
-kernels that kept five alive, and its forward and backward dequantise from different copies of the absmax values so
-that common-subexpression elimination cannot merge the backward's gate and up with the forward's (the partitioner
-would then save them).
+GPU that waits for the host anyway: the same tokens/s as the per-projection MLP, measured). Its backward keeps two
+tokens x intermediate tensors (g and u, their LoRA terms added in place) and two chunks of them instead of seven; the
+middle of it is one custom op (swiglu_backward_) that mutates g and u, because traced as plain code the compiler fused
+and reordered it into kernels that kept five alive (and each addmm_ became a new tensor), and its forward and backward
+dequantise from different copies of the absmax values (or of their table) so that common-subexpression elimination
+cannot merge the backward's gate and up with the forward's (the partitioner would then save them).
 
 "chunked" (qlora_mlp): the whole MLP as one op over chunks of CHUNK_TOKENS tokens, so that not even g and u exist for
 the whole micro-batch; it runs its chunks one after another, dozens of eager launches each, at about half the
@@ -286,28 +286,30 @@ def _define():
     return op
 
 
-def _swiglu_backward_impl(g, u, dy, dh, dw, dabs, da, md, blocksize: int, quant_type: str, shape: list[int],
-                          compute, p: float):
-    """The down projection's A gradient and input gradient, then SwiGLU's, for one MLP's backward: returns d A of the
-    down projection and leaves d gate in g and d up in u. In this order the tensors of tokens x intermediate alive at
-    once are g, u, the activation's gradient and one chunk of either the activation (for d A) or the LoRA term (its
-    dropout mask applies to the product, so it cannot be added by the matmul itself)."""
+def _swiglu_backward_impl(g, u, hg, gb, hu, ub, dy, dh, dw, dabs, dtab, da, md, blocksize: int, quant_type: str,
+                          shape: list[int], compute, scalings: list[float], p: float):
+    """gate and up completed, then the down projection's A gradient and input gradient and SwiGLU's, for one MLP's
+    backward: returns d A of the down projection and leaves d gate in g and d up in u. g and u come as the base
+    projections x W^T; their LoRA terms (s h B^T, from the saved A outputs h) are added here, in place: written in the
+    compiled graph, each addmm_ became a new tokens x intermediate tensor beside the one it adds to (a memory snapshot
+    on the GPU: three of them alive at the MLP's peak). Then a chunk of tokens at a time, so the tensors of tokens x
+    intermediate alive at once are g and u and two chunks: the (dropped) activation, for d A, and the activation's
+    gradient (dy W + the LoRA term, its dropout mask applied to the product), which dies into d gate and d up."""
+    g.addmm_(hg, gb.t(), alpha=scalings[0])
+    u.addmm_(hu, ub.t(), alpha=scalings[1])
     scale = 0.0 if md is None else _keep_scale(p)
-    tokens = g.shape[0]
+    w = kernels._dequantize(dw, dabs, (blocksize, quant_type, tuple(shape), compute), dtab)
     grad_da = None
-    for start, end in _chunks(tokens, CHUNK_TOKENS):  # the (dropped) activation a chunk at a time
-        part = dh[start:end].t() @ _activation(g[start:end], u[start:end], None if md is None else md[start:end],
-                                               scale)
+    for start, end in _chunks(g.shape[0], CHUNK_TOKENS):
+        mask = None if md is None else md[start:end]
+        part = dh[start:end].t() @ _activation(g[start:end], u[start:end], mask, scale)
         grad_da = part if grad_da is None else grad_da.add_(part)
-    w = kernels._dequantize(dw, dabs, (blocksize, quant_type, tuple(shape), compute))
-    dact = dy @ w
-    del w
-    if md is None:
-        dact.addmm_(dh, da)
-    else:
-        for start, end in _chunks(tokens, CHUNK_TOKENS):
-            _add_dropped_(dact[start:end], dh[start:end] @ da, md[start:end], scale)
-    _swiglu_grads_(g, u, dact)
+        dact = dy[start:end] @ w
+        if mask is None:
+            dact.addmm_(dh[start:end], da)
+        else:
+            _add_dropped_(dact, dh[start:end] @ da, mask, scale)
+        _swiglu_grads_(g[start:end], u[start:end], dact)
     return grad_da
 
 
@@ -320,11 +322,13 @@ def _swiglu_backward_op():
     if "op" not in _SWIGLU_BACKWARD:
         import torch
 
-        schema = ("(Tensor(a!) g, Tensor(b!) u, Tensor dy, Tensor dh, Tensor dw, Tensor dabs, Tensor da, Tensor? md, "
-                  "int blocksize, str quant_type, int[] shape, ScalarType compute, float p) -> Tensor")
+        schema = ("(Tensor(a!) g, Tensor(b!) u, Tensor hg, Tensor gb, Tensor hu, Tensor ub, Tensor dy, Tensor dh, "
+                  "Tensor dw, Tensor dabs, Tensor? dtab, Tensor da, Tensor? md, int blocksize, str quant_type, "
+                  "int[] shape, ScalarType compute, float[] scalings, float p) -> Tensor")
         op = torch.library.custom_op("freetune::swiglu_backward_", _swiglu_backward_impl, mutates_args=("g", "u"),
                                      schema=schema)
-        op.register_fake(lambda g, u, dy, dh, dw, dabs, da, *rest: torch.empty_like(da, dtype=g.dtype))
+        op.register_fake(lambda g, u, hg, gb, hu, ub, dy, dh, dw, dabs, dtab, da, *rest:
+                         torch.empty_like(da, dtype=g.dtype))
         _SWIGLU_BACKWARD["op"] = op
     return _SWIGLU_BACKWARD["op"]
 
@@ -332,13 +336,16 @@ def _swiglu_backward_op():
 def _traced_function():
     import torch
 
-    def dequantized(packed, absmax, spec, copy: int = 0):
-        """The 16-bit weight; `copy` 1 or 2 dequantises from a fresh copy of the absmax values (x * 1, x + 0): the
-        traced graph's common-subexpression elimination would otherwise merge the backward's dequantisation (and
-        then its matmuls) with the forward's, and the partitioner would save the forward's gate and up outputs."""
-        if copy:
+    def dequantized(packed, absmax, table, spec, copy: int = 0):
+        """The 16-bit weight; `copy` 1 or 2 dequantises from a fresh copy of the fp32 absmax values (or of their
+        table: kernels.quant_args) (x * 1, x + 0): the traced graph's common-subexpression elimination would
+        otherwise merge the backward's dequantisation (and then its matmuls) with the forward's, and the partitioner
+        would save the forward's gate and up outputs."""
+        if copy and table is None:
             absmax = absmax * 1.0 if copy == 1 else absmax + 0.0
-        return kernels._dequantize(packed, absmax, spec)
+        elif copy:
+            table = table * 1.0 if copy == 1 else table + 0.0
+        return kernels._dequantize(packed, absmax, spec, table)
 
     def masked(t, packed, p: float):
         """t where dropout kept it (its mask saved as bits), times 1 / (1 - p)."""
@@ -353,15 +360,16 @@ def _traced_function():
         gate and up outputs kept beside all of them."""
 
         @staticmethod
-        def forward(ctx, x, ga, gb, ua, ub, da, db, gw, gabs, uw, uabs, dw, dabs, specs, scalings, p: float):
+        def forward(ctx, x, ga, gb, ua, ub, da, db, gw, gabs, gtab, uw, uabs, utab, dw, dabs, dtab, specs, scalings,
+                    p: float):
             compute = specs[0][3]
             shape = x.shape
             x2 = x.reshape(-1, shape[-1]).to(compute)
             lora = [t.to(compute) for t in (ga, gb, ua, ub, da, db)]
             hs, masks = [], []
 
-            def project(inp, packed, absmax, spec, a, b, s):
-                y = torch.nn.functional.linear(inp, dequantized(packed, absmax, spec))
+            def project(inp, packed, absmax, table, spec, a, b, s):
+                y = torch.nn.functional.linear(inp, dequantized(packed, absmax, table, spec))
                 kept = None
                 if p > 0.0:
                     dropped, kept = torch.native_dropout(inp, p, True)
@@ -374,12 +382,12 @@ def _traced_function():
                 masks.append(kept)
                 return y
 
-            g = project(x2, gw, gabs, specs[0], lora[0], lora[1], scalings[0])
-            u = project(x2, uw, uabs, specs[1], lora[2], lora[3], scalings[1])
+            g = project(x2, gw, gabs, gtab, specs[0], lora[0], lora[1], scalings[0])
+            u = project(x2, uw, uabs, utab, specs[1], lora[2], lora[3], scalings[1])
             act = torch.nn.functional.silu(g) * u
             del g, u
-            out = project(act, dw, dabs, specs[2], lora[4], lora[5], scalings[2])
-            ctx.save_for_backward(x2, *hs, *masks, gw, gabs, uw, uabs, dw, dabs, *lora)
+            out = project(act, dw, dabs, dtab, specs[2], lora[4], lora[5], scalings[2])
+            ctx.save_for_backward(x2, *hs, *masks, gw, gabs, gtab, uw, uabs, utab, dw, dabs, dtab, *lora)
             ctx.specs, ctx.scalings, ctx.p = specs, scalings, p
             ctx.x_dtype = x.dtype
             ctx.lora_dtypes = [t.dtype for t in (ga, gb, ua, ub, da, db)]
@@ -388,38 +396,38 @@ def _traced_function():
 
         @staticmethod
         def backward(ctx, dout):
-            (x2, hg, hu, hd, mg, mu, md, gw, gabs, uw, uabs, dw, dabs, ga, gb, ua, ub, da, db) = ctx.saved_tensors
+            (x2, hg, hu, hd, mg, mu, md, gw, gabs, gtab, uw, uabs, utab, dw, dabs, dtab, ga, gb, ua, ub, da,
+             db) = ctx.saved_tensors
             specs, (gs, us, ds), p = ctx.specs, ctx.scalings, ctx.p
             compute = specs[0][3]
             shape = dout.shape
             dy = dout.reshape(-1, shape[-1]).to(compute)
-            # gate and up again, from their saved LoRA-A outputs
-            g = x2 @ dequantized(gw, gabs, specs[0], copy=1).t()
-            g.addmm_(hg, gb.t(), alpha=gs)
-            u = x2 @ dequantized(uw, uabs, specs[1], copy=1).t()
-            u.addmm_(hu, ub.t(), alpha=us)
+            # gate and up again (their LoRA terms, from the saved A outputs, added by the op below)
+            g = x2 @ dequantized(gw, gabs, gtab, specs[0], copy=1).t()
+            u = x2 @ dequantized(uw, uabs, utab, specs[1], copy=1).t()
             # The down projection's gradients and SwiGLU's, in one op that writes d gate and d up over g and u
             # (_swiglu_backward_op): traced, the compiler fused and reordered this part into kernels that kept five
             # or more tokens x intermediate tensors alive at once.
             dh = (dy @ db).mul_(ds)
             grad_db = (dy.t() @ hd).mul_(ds)
             spec = specs[2]
-            grad_da = _swiglu_backward_op()(g, u, dy, dh, dw, dabs, da, md, spec[0], spec[1], list(spec[2]), spec[3],
-                                            p)
+            grad_da = _swiglu_backward_op()(g, u, hg, gb, hu, ub, dy, dh, dw, dabs, dtab, da, md, spec[0], spec[1],
+                                            list(spec[2]), spec[3], [gs, us], p)
             d_gate, d_up = g, u
             del g, u
             grads, dx = [], None
-            for d, h, mask, a, b, s, packed, absmax, spec in ((d_gate, hg, mg, ga, gb, gs, gw, gabs, specs[0]),
-                                                                (d_up, hu, mu, ua, ub, us, uw, uabs, specs[1])):
+            for d, h, mask, a, b, s, packed, absmax, table, spec in (
+                    (d_gate, hg, mg, ga, gb, gs, gw, gabs, gtab, specs[0]),
+                    (d_up, hu, mu, ua, ub, us, uw, uabs, utab, specs[1])):
                 dh = (d @ b).mul_(s)
                 grads += [dh.t() @ (x2 if mask is None else masked(x2, mask, p)), (d.t() @ h).mul_(s)]
-                part = d @ dequantized(packed, absmax, spec, copy=2)
+                part = d @ dequantized(packed, absmax, table, spec, copy=2)
                 part = part.addmm_(dh, a) if mask is None else part + masked(dh @ a, mask, p)
                 dx = part if dx is None else dx + part
             grads += [grad_da, grad_db]
             grads = [g.to(t) for g, t in zip(grads, ctx.lora_dtypes)]
             dx = dx.reshape(*shape[:-1], dx.shape[-1]).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
-            return (dx, *grads, None, None, None, None, None, None, None, None, None)
+            return (dx, *grads, *[None] * 12)
 
     return QLoRAMLP
 
@@ -434,7 +442,8 @@ def traced_mlp(x, projections, dropout_p: float):
     fn = _traced_class()
     gate, up, down = projections
     return fn.apply(x, gate["lora_a"], gate["lora_b"], up["lora_a"], up["lora_b"], down["lora_a"], down["lora_b"],
-                    gate["weight"], gate["absmax"], up["weight"], up["absmax"], down["weight"], down["absmax"],
+                    gate["weight"], gate["absmax"], gate["table"], up["weight"], up["absmax"], up["table"],
+                    down["weight"], down["absmax"], down["table"],
                     (gate["spec"], up["spec"], down["spec"]), (gate["scaling"], up["scaling"], down["scaling"]),
                     float(dropout_p))
 
@@ -457,7 +466,9 @@ def qlora_mlp(x, projections, dropout_p: float, chunk: int = CHUNK_TOKENS):
     spec = gate["spec"]
     args = [x.reshape(-1, shape[-1])]
     for p in (gate, up, down):
-        args += [p["weight"], p["absmax"], p["lora_a"], p["lora_b"]]
+        # The op takes fp32 absmax values: 8-bit ones (kernels.quant_args) are decoded for the call.
+        absmax = p["absmax"] if p["table"] is None else kernels.decoded_absmax(p["absmax"], p["table"])
+        args += [p["weight"], absmax, p["lora_a"], p["lora_b"]]
     out = _OP["op"](*args, spec[0], spec[1], spec[3], [gate["scaling"], up["scaling"], down["scaling"]],
                     float(dropout_p), int(chunk))[0]
     out = out.reshape(*shape[:-1], out.shape[-1])

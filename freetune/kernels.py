@@ -25,6 +25,8 @@ default (the plan's choice), and its losses match the plain stack's draw for dra
 
 from __future__ import annotations
 
+import math
+
 from freetune import overrides
 # Which layers qualify reads peft's and bitsandbytes' internals: freetune.overrides.fusable.
 from freetune.overrides import fusable
@@ -32,36 +34,88 @@ from freetune.overrides import fusable
 FUSED_ATTR = "_freetune_fused_lora"
 
 
-def quant_args(quant_state) -> tuple:
-    """bitsandbytes' QuantState as (absmax, spec): the weight's fp32 absmax values (one per block of 64) and the
-    constants (blocksize, quant_type, shape, dtype). The fused function takes these instead of the QuantState
-    object, so a compiled layer sees plain tensors and constants only (no guards on a Python object's attributes,
-    no bitsandbytes Python code to trace).
+# bitsandbytes' block size for a double-quantised weight's absmax values (QuantState.state2.blocksize).
+NESTED_BLOCKSIZE = 256
+
+
+def quant_args(quant_state, keep_8bit_absmax: bool = False) -> tuple:
+    """bitsandbytes' QuantState as (absmax, table, spec): the weight's absmax values (one per block of 64), a table
+    for decoding them or None, and the constants (blocksize, quant_type, shape, dtype). The fused function takes
+    these instead of the QuantState object, so a compiled layer sees plain tensors and constants only (no guards on a
+    Python object's attributes, no bitsandbytes Python code to trace).
 
     A double-quantised weight keeps its absmax values themselves 8-bit blockwise; bitsandbytes dequantises them in
     every forward and backward of every layer (389 extra kernels a step for a 1.5B model, 13% of them: the step
-    is bound by launches). The weights are frozen, so here they are dequantised once, when the layers are fused,
-    and kept in fp32 instead of the 8-bit values (use_fused_lora): +3 bytes per 64 weights (~61 MB for a 1.5B model;
-    freetune.memory.estimate counts them)."""
+    is bound by launches). Two ways around that:
+    - keep_8bit_absmax (layers that will be compiled): the 8-bit values stay, and `nested_table` holds what decodes
+      them; inside a compiled layer the whole dequantisation (absmax values, then the 4-bit codes) is plain tensor
+      code that inductor fuses into one kernel (_dequantize).
+    - otherwise the values are dequantised once, here, and kept in fp32 instead of the 8-bit ones (the caller drops
+      those: overrides.single_quantised): +3 bytes per 64 weights (~61 MB for a 1.5B model).
+    freetune.memory.estimate counts either."""
     import torch._dynamo
 
-    absmax = quant_state.absmax
+    absmax, table = quant_state.absmax, None
     if quant_state.nested:
         inner = quant_state.state2
-        absmax = dequantize_absmax(absmax, inner.absmax, inner.code.to(inner.absmax.device), quant_state.offset,
-                                   inner.blocksize, inner.dtype)
+        if keep_8bit_absmax and inner.blocksize == NESTED_BLOCKSIZE:
+            table = nested_table(quant_state)
+            torch._dynamo.mark_static(table)
+        else:
+            absmax = dequantize_absmax(absmax, inner.absmax, inner.code.to(inner.absmax.device), quant_state.offset,
+                                       inner.blocksize, inner.dtype)
     spec = (quant_state.blocksize, quant_state.quant_type, tuple(quant_state.shape), quant_state.dtype)
     torch._dynamo.mark_static(absmax)  # a fixed size: a token count equal to it must not specialise a graph
-    return absmax, spec
+    return absmax, table, spec
 
 
-def _dequantize(packed, absmax, spec):
-    """The 16-bit weight (out, in), as bitsandbytes.functional.dequantize_4bit computes it (through the same
-    registered op; tests/test_kernels.py compares the two), for a packed weight of shape (n, 1)."""
+def nested_table(quant_state):
+    """What decodes a double-quantised weight, as one fp32 tensor: the 4-bit code (16 values), the code of the 8-bit
+    absmax values (256), their offset, then one scale per NESTED_BLOCKSIZE absmax values (see _dequantize)."""
+    import torch
+
+    inner = quant_state.state2
+    device = quant_state.absmax.device
+    parts = (quant_state.code, inner.code, quant_state.offset.reshape(1), inner.absmax)
+    return torch.cat([t.to(device=device, dtype=torch.float32).reshape(-1) for t in parts])
+
+
+def _dequantize(packed, absmax, spec, table=None):
+    """The 16-bit weight (out, in), as bitsandbytes.functional.dequantize_4bit computes it, for a packed weight of
+    shape (n, 1) (tests/test_kernels.py compares the two). With fp32 absmax values (table None): bitsandbytes'
+    registered op. With 8-bit ones and their nested_table: inside a compiled graph, the same arithmetic as tensor
+    code (one fused kernel: an absmax value is its code times its block's scale plus the offset, a weight its 4-bit
+    code's value times its block's absmax, two codes per byte, high nibble first); eagerly, bitsandbytes' ops."""
     import torch
 
     blocksize, quant_type, shape, dtype = spec
+    if table is not None and torch.compiler.is_compiling():
+        n, blocks = math.prod(shape), absmax.shape[0]
+        code4, code8, offset, scales = _table_parts(table)
+        block = torch.arange(blocks, device=absmax.device) // NESTED_BLOCKSIZE
+        block_absmax = code8[absmax.long()] * scales[block] + offset
+        # Each byte twice, shifted by 4 then 0 (no stack or cat of the two halves: inductor left that as a copy kernel
+        # of its own between two fused ones, seen in its generated code on a CPU).
+        shifts = 4 - 4 * torch.arange(2, device=packed.device, dtype=torch.uint8)
+        codes = (packed.reshape(-1, 1).expand(-1, 2) >> shifts).bitwise_and(0xF).reshape(-1)[:n].long()
+        scale = block_absmax[:, None].expand(blocks, blocksize).reshape(-1)[:n]
+        return (code4[codes] * scale).reshape(shape).to(dtype)
+    if table is not None:
+        absmax = decoded_absmax(absmax, table)
     return torch.ops.bitsandbytes.dequantize_4bit.default(packed, absmax, blocksize, quant_type, shape, dtype)
+
+
+def decoded_absmax(absmax, table):
+    """8-bit absmax values and their nested_table as the fp32 values, through bitsandbytes' op (eagerly)."""
+    import torch
+
+    _, code8, offset, scales = _table_parts(table)
+    return dequantize_absmax(absmax, scales, code8, offset, NESTED_BLOCKSIZE, torch.float32)
+
+
+def _table_parts(table):
+    """nested_table's parts: (4-bit code, 8-bit code, offset, scales)."""
+    return table[:16], table[16:272], table[272], table[273:]
 
 
 def dequantize_absmax(absmax, absmax2, code2, offset, blocksize2, dtype2):
@@ -107,14 +161,14 @@ def _function():
 
     class QLoRALinear(torch.autograd.Function):
         @staticmethod
-        # x, A and B (the inputs a gradient can flow to) first, then the frozen 4-bit weight, its fp32 absmax
-        # values and the constants.
-        def forward(ctx, x, lora_a, lora_b, weight, absmax, bias, spec, scaling: float, dropout_p: float):
+        # x, A and B (the inputs a gradient can flow to) first, then the frozen 4-bit weight, its absmax values
+        # (and their table: quant_args) and the constants.
+        def forward(ctx, x, lora_a, lora_b, weight, absmax, table, bias, spec, scaling: float, dropout_p: float):
             compute = spec[3]
             out_dtype = x.dtype  # bitsandbytes' Linear4bit returns its input's dtype; so does this
             shape = x.shape
             x2 = x.reshape(-1, shape[-1]).to(compute)
-            w = _dequantize(weight, absmax, spec)
+            w = _dequantize(weight, absmax, spec, table)
             y = torch.nn.functional.linear(x2, w, None if bias is None else bias.to(compute))
             del w
             a, b = lora_a.to(compute), lora_b.to(compute)
@@ -133,7 +187,7 @@ def _function():
             # read the same input, which is then kept once for all of them instead of one 16-bit copy per
             # projection; the backward drops it again. Under checkpointing that is the largest part of a layer's
             # recompute memory.
-            ctx.save_for_backward(weight, absmax, x2, mask, h, a, b)
+            ctx.save_for_backward(weight, absmax, table, x2, mask, h, a, b)
             ctx.spec = spec
             ctx.scaling, ctx.dropout_p = scaling, dropout_p
             ctx.x_dtype, ctx.a_dtype, ctx.b_dtype = x.dtype, lora_a.dtype, lora_b.dtype
@@ -144,7 +198,7 @@ def _function():
 
         @staticmethod
         def backward(ctx, dy):
-            weight, absmax, x2, packed, h, a, b = ctx.saved_tensors
+            weight, absmax, table, x2, packed, h, a, b = ctx.saved_tensors
             mask = packed
             if packed is not None and packed.dtype == torch.uint8:
                 mask = unpack_mask(packed, x2.shape[-1], x2.dtype)
@@ -162,7 +216,7 @@ def _function():
                 grad_a = (dh.t() @ xd).to(ctx.a_dtype)
                 del xd
             if ctx.needs_input_grad[0]:
-                w = _dequantize(weight, absmax, ctx.spec)
+                w = _dequantize(weight, absmax, ctx.spec, table)
                 grad_x = dy2 @ w
                 del w
                 if mask is None:
@@ -170,7 +224,7 @@ def _function():
                 else:
                     grad_x.add_((dh @ a).mul_(mask).mul_(1.0 / (1.0 - ctx.dropout_p)))
                 grad_x = grad_x.reshape(*shape[:-1], grad_x.shape[-1]).to(ctx.x_dtype)
-            return grad_x, grad_a, grad_b, None, None, None, None, None, None
+            return grad_x, grad_a, grad_b, None, None, None, None, None, None, None
 
     return QLoRALinear
 
@@ -190,15 +244,15 @@ def _fused_function():
     return _FN
 
 
-def qlora_linear(x, weight, absmax, spec, bias, lora_a, lora_b, scaling: float, dropout_p: float):
+def qlora_linear(x, weight, absmax, spec, bias, lora_a, lora_b, scaling: float, dropout_p: float, table=None):
     """y = base(x) + scaling * lora_b(lora_a(dropout(x))) for a 4-bit base weight, as one autograd node.
 
     weight: the packed 4-bit data as a plain tensor (Params4bit.data, see use_fused_lora), not bitsandbytes'
-    Params4bit itself; absmax, spec: its quantisation state as `quant_args` gives it."""
+    Params4bit itself; absmax, table, spec: its quantisation state as `quant_args` gives it."""
     # `_FN is None`, not `_FN or ...`: dynamo (torch 2.11) cannot take the truth value of an autograd.Function
     # class and broke the graph here ("data-dependent branching"), so every decoder layer ran in eager pieces.
     fn = _fused_function() if _FN is None else _FN
-    return fn.apply(x, lora_a, lora_b, weight, absmax, bias, spec, scaling, dropout_p)
+    return fn.apply(x, lora_a, lora_b, weight, absmax, table, bias, spec, scaling, dropout_p)
 
 
 def fused_call_args(layer, x) -> dict | None:
@@ -215,7 +269,8 @@ def fused_call_args(layer, x) -> dict | None:
         return None
     name = layer.active_adapters[0]
     dropout = layer.lora_dropout[name]
-    return dict(weight=packed, absmax=layer._freetune_absmax, spec=layer._freetune_spec, bias=layer.base_layer.bias,
+    return dict(weight=packed, absmax=layer._freetune_absmax, table=layer._freetune_absmax_table,
+                spec=layer._freetune_spec, bias=layer.base_layer.bias,
                 lora_a=layer.lora_A[name].weight, lora_b=layer.lora_B[name].weight, scaling=float(layer.scaling[name]),
                 dropout_p=dropout.p if isinstance(dropout, torch.nn.Dropout) else 0.0)
 
@@ -226,11 +281,13 @@ def _fused_forward(self, x, *args, **kwargs):
     if call is None:
         return type(self).forward(self, x, *args, **kwargs)
     return qlora_linear(x, call["weight"], call["absmax"], call["spec"], call["bias"], call["lora_a"], call["lora_b"],
-                        call["scaling"], call["dropout_p"])
+                        call["scaling"], call["dropout_p"], call["table"])
 
 
-def use_fused_lora(model) -> tuple[int, int]:
+def use_fused_lora(model, keep_8bit_absmax: bool = False) -> tuple[int, int]:
     """Give every fusable LoRA 4-bit layer of `model` the fused forward; returns (fused, LoRA layers seen).
+    keep_8bit_absmax: double-quantised weights keep their 8-bit absmax values, for layers that will be compiled
+    (quant_args; freetune.memory.keeps_8bit_absmax says when the plan does so).
 
     Idempotent. The module's own forward stays reachable (type(module).forward) and takes over whenever the call
     is outside what the fused function does (evaluation, merged or disabled adapters, extra arguments)."""
@@ -253,9 +310,11 @@ def use_fused_lora(model) -> tuple[int, int]:
         # under DDP), and costs host time on every use.
         weight = module.base_layer.weight
         module._freetune_packed = weight.data
-        module._freetune_absmax, module._freetune_spec = quant_args(weight.quant_state)
-        # The 8-bit absmax values the fp32 ones came from are not kept beside them.
-        overrides.single_quantised(weight.quant_state, module._freetune_absmax)
+        module._freetune_absmax, module._freetune_absmax_table, module._freetune_spec = quant_args(
+            weight.quant_state, keep_8bit_absmax)
+        if module._freetune_absmax_table is None and weight.quant_state.nested:
+            # The 8-bit absmax values the fp32 ones came from are not kept beside them.
+            overrides.single_quantised(weight.quant_state, module._freetune_absmax)
         torch._dynamo.mark_static(module._freetune_packed)
         if not already:
             overrides.replace_forward(module, _fused_forward)

@@ -267,23 +267,24 @@ def packed_mask_saving(shape: ModelShape, lora_targets="all-linear") -> float:
 
 # freetune.fused_mlp's chunked op's backward: g, u, the activation's gradient and one more chunk-sized tensor at a time.
 MLP_CHUNK_BUFFERS = 4
-# freetune.fused_mlp's traced function's backward: g, u and the activation's gradient for every token (d gate and d up
-# take g's and u's place), besides one chunk of the down projection's LoRA term.
-TRACED_MLP_BUFFERS = 3
+# freetune.fused_mlp's traced function's backward: g and u for every token (d gate and d up take their place); the
+# activation and its gradient a chunk at a time (mlp_chunk_bytes).
+TRACED_MLP_BUFFERS = 2
+TRACED_MLP_CHUNK_BUFFERS = 2
 
 
 def mlp_chunk_bytes(shape: ModelShape, compute_dtype: str = "bfloat16", mlp_kernel: str = "chunked") -> float:
     """Bytes one layer's backward holds through freetune.fused_mlp whatever the token count: the chunked op, its
     chunk-sized intermediate tensors (MLP_CHUNK_BUFFERS of CHUNK_TOKENS x intermediate) and the three dequantised
-    weights; the traced function, one chunk of the LoRA term and one dequantised weight (its per-token part is in
-    activation_bytes_per_token). 0 for the per-projection MLP."""
+    weights; the traced function, TRACED_MLP_CHUNK_BUFFERS chunks (the activation and its gradient) and the down
+    projection's dequantised weight (its per-token part is in activation_bytes_per_token). 0 for the per-projection MLP."""
     from freetune.fused_mlp import CHUNK_TOKENS
 
     width = 2 if _is_16bit(compute_dtype) else 4
     if mlp_kernel == "chunked":
         return (MLP_CHUNK_BUFFERS * CHUNK_TOKENS + 3 * shape.hidden) * shape.intermediate * width
     if mlp_kernel == "traced":
-        return (CHUNK_TOKENS + shape.hidden) * shape.intermediate * width
+        return (TRACED_MLP_CHUNK_BUFFERS * CHUNK_TOKENS + shape.hidden) * shape.intermediate * width
     return 0.0
 
 
@@ -334,11 +335,12 @@ def activation_bytes_per_token(shape: ModelShape, *, lora_rank: int, lora_target
 
 
 def loss_head_bytes(shape: ModelShape, tokens: int, *, compute_dtype: str = "bfloat16",
-                    loss_head: str = "chunked") -> float:
-    """Peak bytes of the lm_head projection and the cross-entropy for `tokens` tokens."""
+                    loss_head: str = "chunked", tile_tokens: int = 0) -> float:
+    """Peak bytes of the lm_head projection and the cross-entropy for `tokens` tokens (tile_tokens: tokens per tile of
+    the chunked head, 0 for TRL's TILE_TOKENS)."""
     width = 2 if _is_16bit(compute_dtype) else 4
     if loss_head == "chunked":
-        tile = min(tokens, TILE_TOKENS) * min(shape.vocab, TILE_VOCAB) * width
+        tile = min(tokens, tile_tokens or TILE_TOKENS) * min(shape.vocab, TILE_VOCAB) * width
         weight_slice = min(shape.vocab, TILE_VOCAB) * shape.hidden * width if width == 2 else 0
         return tile + weight_slice + tokens * shape.hidden * 4 * 2
     if loss_head == "full":
@@ -349,13 +351,20 @@ def loss_head_bytes(shape: ModelShape, tokens: int, *, compute_dtype: str = "bfl
     raise ValueError(f"loss_head must be 'chunked' or 'full', not {loss_head!r}")
 
 
+def keeps_8bit_absmax(lora_kernel: str, compiled: bool, mlp_kernel: str) -> bool:
+    """Whether the fused LoRA layers keep double-quantised weights' absmax values 8-bit (freetune.kernels.quant_args:
+    compiled layers decode them inside their dequantisation kernels), rather than an fp32 copy: where every use is
+    in a compiled layer. The chunked MLP op runs outside the graph and reads fp32 values."""
+    return lora_kernel == "fused" and compiled and mlp_kernel != "chunked"
+
+
 def estimate(shape: ModelShape, *, max_length: int, micro_batch: int, lora_rank: int = 16,
              lora_targets: str | list[str] = "all-linear", gradient_checkpointing: bool = True,
              optimizer: str = "paged_adamw_8bit", compute_dtype: str = "bfloat16", device: str = "cuda",
              world_size: int = 1, double_quant: bool = True, loss_head: str = "chunked",
              shards: int = 1, lora_kernel: str = "peft", frozen_dtype: str = "float32",
              offload_activations: bool = False, compiled: bool = False, checkpoint_every: int = 1,
-             mlp_kernel: str = "layers") -> MemoryEstimate:
+             mlp_kernel: str = "layers", loss_tile_tokens: int = 0) -> MemoryEstimate:
     """Peak memory of one training step at micro_batch rows of max_length tokens (every row padded to it: the
     worst batch of a run decides whether it fits).
 
@@ -365,13 +374,14 @@ def estimate(shape: ModelShape, *, max_length: int, micro_batch: int, lora_rank:
     (embeddings, lm_head, final norm) and two decoder layers (the one running and the one prefetched).
 
     lora_kernel "fused" (freetune.kernels, never under FSDP): each double-quantised weight keeps its absmax values
-    dequantised once to fp32 (4 bytes per 64 weights) instead of 8-bit. mlp_kernel "chunked" or "traced": freetune.fused_mlp.
+    8-bit where keeps_8bit_absmax, else dequantised once to fp32 (4 bytes per 64 weights). mlp_kernel "chunked" or
+    "traced": freetune.fused_mlp.
     """
     tokens = micro_batch * max_length
-    # The fused layers keep a double-quantised weight's absmax values in fp32 instead (freetune.kernels.quant_args):
-    # its memory is then a single-quantised one's.
-    fused = lora_kernel == "fused" and shards == 1
-    weights_4bit = shape.quantized_params * NF4_BYTES_PER_PARAM[double_quant and not fused]
+    # Fused layers that are not compiled keep a double-quantised weight's absmax values in fp32 instead
+    # (freetune.kernels.quant_args): its memory is then a single-quantised one's.
+    fp32_absmax = lora_kernel == "fused" and shards == 1 and not keeps_8bit_absmax(lora_kernel, compiled, mlp_kernel)
+    weights_4bit = shape.quantized_params * NF4_BYTES_PER_PARAM[double_quant and not fp32_absmax]
     # frozen_dtype float32: peft's prepare_model_for_kbit_training casts every non-4-bit parameter to fp32, whatever
     # dtype it loaded in; 16-bit: freetune keeps them as loaded (Plan.frozen_dtype).
     other_weights = shape.other_params * (2 if _is_16bit(frozen_dtype) else 4)
@@ -392,7 +402,8 @@ def estimate(shape: ModelShape, *, max_length: int, micro_batch: int, lora_rank:
                                                       offload_activations=offload_activations,
                                                       lora_kernel=lora_kernel, compiled=compiled,
                                                       checkpoint_every=checkpoint_every, mlp_kernel=mlp_kernel)
-    head = loss_head_bytes(shape, tokens, compute_dtype=compute_dtype, loss_head=loss_head)
+    head = loss_head_bytes(shape, tokens, compute_dtype=compute_dtype, loss_head=loss_head,
+                           tile_tokens=loss_tile_tokens)
     layer_backward = tokens * transient + mlp_chunk_bytes(shape, compute_dtype, mlp_kernel)
     activations = tokens * resident + max(0.0, layer_backward - head)  # the head's part is counted apart
     allocated = weights_4bit + other_weights + lora + optimizer_state + activations + head
@@ -403,7 +414,7 @@ def estimate(shape: ModelShape, *, max_length: int, micro_batch: int, lora_rank:
                     compute_dtype=compute_dtype, device=device, world_size=world_size, loss_head=loss_head,
                     shards=shards, lora_kernel=lora_kernel, frozen_dtype=frozen_dtype,
                     offload_activations=offload_activations, compiled=compiled, checkpoint_every=checkpoint_every,
-                    mlp_kernel=mlp_kernel)
+                    mlp_kernel=mlp_kernel, loss_tile_tokens=loss_tile_tokens)
     return MemoryEstimate(
         weights_4bit_gib=weights_4bit / GIB, other_weights_gib=other_weights / GIB, lora_gib=lora / GIB,
         optimizer_gib=optimizer_state / GIB, activations_gib=activations / GIB, loss_head_gib=head / GIB,

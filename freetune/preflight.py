@@ -28,9 +28,9 @@ from dataclasses import asdict, dataclass, field, replace
 from freetune import resources
 from freetune.choices import (choose_attention, choose_batching, choose_budget,
                               choose_checkpoint_every, choose_checkpointing, choose_compile, choose_frozen_dtype,
-                              choose_layout, choose_lora_kernel, choose_mlp_kernel, choose_offload, choose_optimizer,
-                              choose_policy, choose_precision, choose_sampler, resolve_policy, resolve_shape,
-                              varlen_attention_reason)
+                              choose_layout, choose_lora_kernel, choose_loss_tile, choose_mlp_kernel, choose_offload,
+                              choose_optimizer, choose_policy, choose_precision, choose_sampler, resolve_policy,
+                              resolve_shape, varlen_attention_reason)
 from freetune.errors import FreetuneError
 from freetune.fast import VARLEN_ATTENTION
 from freetune.memory import GIB, MemoryEstimate, ModelShape, estimate, fit
@@ -222,7 +222,7 @@ class Plan:
     compile: bool = False       # torch.compile each decoder layer (freetune.kernels.compile_layers)
     frozen_dtype: str = "float32"  # the frozen non-4-bit weights (embeddings, norms, lm_head) and residual stream
     offload_activations: bool = False  # checkpointed layers' inputs kept in pinned host memory, not on the GPU
-    loss_tile_tokens: int = 0   # tokens per tile of TRL's chunked loss head (0: TRL's own, 4,096)
+    loss_tile_tokens: int = 0   # tokens per tile of TRL's chunked loss head (0: TRL's own, 4,096; choose_loss_tile)
     checkpoint_every: int = 1   # with checkpointing on, every n-th decoder layer is checkpointed (1: all of them)
     # "traced" (freetune.fused_mlp: the SwiGLU MLP as one autograd node, gate and up recomputed in its backward) |
     # "chunked" (the same as one op over token chunks) | "layers" (each projection on its own)
@@ -402,7 +402,7 @@ def make_plan(hardware: Hardware | None = None, *, model_shape: ModelShape | str
     budget, budget_why = choose_budget(hardware, plan.device, memory_budget_gib)
     plan.optimizer, plan.reasons["optimizer"] = choose_optimizer(optimizer, plan.device, shape, budget, lora_rank,
                                                                  lora_targets)
-    # Chosen before the memory check (the fused layers keep fp32 absmax values, compiled layers save less) and again
+    # Chosen before the memory check (fused and compiled layers change the absmax bytes and what is saved) and again
     # at the end, in case FSDP took over.
     _kernels_step(plan, compile)
     micro_batch = micro_batch or None
@@ -467,6 +467,7 @@ def _memory_step(plan: Plan, sizing: _Sizing, **lora) -> None:
         common["offload_activations"] = offload
     common["mlp_kernel"], plan.reasons["mlp_kernel"] = choose_mlp_kernel(sizing.shape, sizing.budget, sizing.sized,
                                                                          common)
+    common["loss_tile_tokens"], plan.reasons["loss_tile"] = choose_loss_tile(common)
     warnings_before = len(plan.warnings)
     _fit_batch(plan, sizing)
     _shard_if_needed(plan, sizing, warnings_before)
@@ -589,6 +590,7 @@ def _final_step(plan: Plan, hardware: Hardware, sizing: _Sizing, compile: str) -
         plan.reasons["gradient_checkpointing"] += f"; {plan.reasons['offload']}"
     plan.checkpoint_every = memory.settings.get("checkpoint_every", 1) if memory is not None else 1
     plan.mlp_kernel = memory.settings.get("mlp_kernel", "layers") if memory is not None else "layers"
+    plan.loss_tile_tokens = memory.settings.get("loss_tile_tokens", 0) if memory is not None else 0
     if plan.mlp_kernel != "layers" and plan.lora_kernel != "fused":  # FSDP took over after the memory step
         plan.mlp_kernel, plan.reasons["mlp_kernel"] = "layers", "the final layout has no fused LoRA layers"
 

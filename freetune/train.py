@@ -27,6 +27,7 @@ from freetune.choices import choose_optimizer
 from freetune.console import duration
 from freetune.distributed import COLLECTIVE_TIMEOUT_S, check_replicas_agree, context, print0
 from freetune.errors import FreetuneError
+from freetune.memory import keeps_8bit_absmax
 from freetune.model import adapter_dtype_guard
 from freetune.overrides import NonFiniteGuard
 from freetune.platform import Paths
@@ -350,7 +351,8 @@ def _speed_up(trainer, plan: Plan) -> None:
         print0(f"Sampler: each optimizer step's rows are dealt to the {trainer.args.world_size} ranks by length, "
                f"equal tokens per rank (freetune.sampler.RankBalancedSampler).")
     if plan.lora_kernel == "fused":
-        fused, seen = kernels.use_fused_lora(trainer.model)
+        fused, seen = kernels.use_fused_lora(
+            trainer.model, keep_8bit_absmax=keeps_8bit_absmax(plan.lora_kernel, plan.compile, plan.mlp_kernel))
         print0(f"LoRA kernel: fused on {fused} of {seen} LoRA layers (freetune.kernels).")
     if plan.mlp_kernel in ("chunked", "traced"):
         fused, seen = fused_mlp.use_fused_mlp(trainer.model, kernel=plan.mlp_kernel)

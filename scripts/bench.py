@@ -74,8 +74,8 @@ TARGET_X = {"4gb": 1.3, "t4": 1.3, "uncapped": 1.8}
 LEAN_X = 1.3
 # --variants keys that are not plan fields: experiments on top of freetune's path. The DDP ones change nothing in
 # one process, so a variant made only of them runs under DDP only (compared with freetune's own 1-GPU run).
-EXPERIMENTS = ("liger", "cpp_wrapper", "dense_head", "no_packed_check", "pin_cores", "byte_masks", "ddp_split",
-               "static_graph", "bucket_view", "bucket_mb", "flat_sync")
+EXPERIMENTS = ("liger", "cpp_wrapper", "dense_head", "no_packed_check", "pin_cores", "byte_masks", "fp32_absmax",
+               "ddp_split", "static_graph", "bucket_view", "bucket_mb", "flat_sync")
 DDP_EXPERIMENTS = ("ddp_split", "static_graph", "bucket_view", "bucket_mb", "flat_sync")
 
 
@@ -542,13 +542,14 @@ def seen_estimate(plan, shape: ModelShape, tokens: int) -> float | None:
     settings = {k: v for k, v in plan.memory.settings.items() if k not in ("model", "max_length", "micro_batch")}
     settings.update(gradient_checkpointing=plan.gradient_checkpointing, optimizer=plan.optimizer,
                     lora_kernel=plan.lora_kernel, frozen_dtype=plan.frozen_dtype,
-                    offload_activations=plan.offload_activations, mlp_kernel=plan.mlp_kernel)
+                    offload_activations=plan.offload_activations, mlp_kernel=plan.mlp_kernel,
+                    loss_tile_tokens=plan.loss_tile_tokens)
     return round(estimate(shape, max_length=tokens, micro_batch=1, **settings).peak_allocated_gib, 3)
 
 
 def apply_experiments(experiments: dict, shape: ModelShape, local_rank: int) -> None:
     """The experiments a --variants run asks for that change freetune's path itself (before the model loads):
-    cpp_wrapper, dense_head, no_packed_check, pin_cores, byte_masks, liger. A GPU worker process runs one
+    cpp_wrapper, dense_head, no_packed_check, pin_cores, byte_masks, fp32_absmax, liger. A GPU worker process runs one
     configuration, so what they patch is patched for it only (a --tiny run without --spawn runs every job in one
     process: its patches stay for the runs after it)."""
     import torch
@@ -592,6 +593,10 @@ def apply_experiments(experiments: dict, shape: ModelShape, local_rank: int) -> 
         import freetune.kernels
 
         freetune.kernels.pack_mask = lambda kept: kept  # the backward unpacks only uint8 masks
+    if experiments.get("fp32_absmax"):  # the fused layers' fp32 absmax copy even where compiled layers decode 8-bit
+        import freetune.train
+
+        freetune.train.keeps_8bit_absmax = lambda *args: False
     if experiments.get("liger"):  # Liger's Triton RMSNorm, SwiGLU and RoPE (not its loss: TRL's head is chunked)
         import liger_kernel.transformers as liger
 
@@ -730,6 +735,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "experiments liger=true (Liger's RMSNorm/SwiGLU/RoPE, liger-kernel installed), "
                              "cpp_wrapper=true (inductor's C++ wrapper), byte_masks=true (dropout masks a byte per "
                              "element, as before freetune.kernels.pack_mask; with mlp_kernel=layers only), "
+                             "fp32_absmax=true (the fused layers' fp32 absmax copy where compiled ones keep 8-bit), "
                              "dense_head=true and no_packed_check=true (two host syncs per step removed), "
                              "pin_cores=true (apply_experiments) and "
                              "the DDP settings ddp_split=true, "

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from freetune import fused_mlp, kernels
-from freetune.memory import ModelShape, estimate
+from freetune.memory import ModelShape, estimate, keeps_8bit_absmax
 from freetune.preflight import Hardware
 from test_kernels import gpu, loss_and_grads, quantized_lora_model
 
@@ -125,15 +125,16 @@ def test_the_mlp_keeps_no_tokens_by_intermediate_tensor_for_its_backward(tiny_mo
 def test_a_compiled_checkpointed_layer_with_the_fused_mlp_trains_like_an_eager_one(tiny_model_dir, kernel):
     """The op (or the traced function and the op its backward calls) inside compile_layers' decoder layers (aot_eager:
     dynamo and the autograd graph as inductor sees them), under gradient checkpointing (the plan uses it only there),
-    over two lengths: same loss and gradients, one graph per layer kind and no graph break."""
+    the absmax values 8-bit where the plan keeps them so (the traced MLP), over two lengths: same loss and gradients
+    as eager fp32-absmax layers, one graph per layer kind and no graph break."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
     models = []
-    for _ in range(2):
+    for keep_8bit in (False, keeps_8bit_absmax("fused", True, kernel)):  # the compiled one as the plan has it
         model = quantized_lora_model(tiny_model_dir, torch.float32)
         model.get_base_model().gradient_checkpointing_enable({"use_reentrant": False})
-        kernels.use_fused_lora(model)
+        kernels.use_fused_lora(model, keep_8bit_absmax=keep_8bit)
         fused_mlp.use_fused_mlp(model, chunk=16, kernel=kernel)
         models.append(model)
     eager, compiled = models
@@ -158,7 +159,7 @@ def test_a_compiled_checkpointed_layer_with_the_fused_mlp_trains_like_an_eager_o
 
 
 def test_the_plan_takes_the_traced_mlp_where_every_layer_is_checkpointed_and_chunks_only_rows_that_would_not_fit():
-    """Every layer checkpointed (a small budget): the traced MLP (3 instead of 7 tokens x intermediate tensors in a
+    """Every layer checkpointed (a small budget): the traced MLP (2 instead of 7 tokens x intermediate tensors in a
     layer's backward, for two more matmuls); the chunked op, host-bound, only where even one row of max_length would
     not fit otherwise, instead of cutting the rows; the per-projection MLP where layers keep their activations."""
     from freetune.preflight import make_plan
@@ -167,23 +168,28 @@ def test_the_plan_takes_the_traced_mlp_where_every_layer_is_checkpointed_and_chu
     small = make_plan(t4, model_shape="tinyllama-1.1b", memory_budget_gib=4.0)
     assert small.checkpointing_text().startswith("on") and small.mlp_kernel == "traced"
     assert small.memory.settings["mlp_kernel"] == "traced" and "MLP kernel" in small.table()
-    assert "3 instead of 7" in small.reasons["mlp_kernel"]
+    assert "2 instead of 7" in small.reasons["mlp_kernel"]
+    assert small.loss_tile_tokens == 1024 and small.memory.settings["loss_tile_tokens"] == 1024
     long_rows = make_plan(t4, model_shape="qwen2.5-1.5b", max_length=32768, memory_budget_gib=4.0)
     assert long_rows.mlp_kernel == "chunked" and long_rows.memory.settings["mlp_kernel"] == "chunked"
     assert long_rows.max_length == 32768 and long_rows.memory.fits  # the rows are not cut
     assert "rows need not be cut" in long_rows.reasons["mlp_kernel"]
-    assert make_plan(t4, model_shape="qwen2.5-1.5b").mlp_kernel == "layers"  # room for some layers unchecked
+    roomy = make_plan(t4, model_shape="qwen2.5-1.5b")
+    assert roomy.mlp_kernel == "layers" and roomy.loss_tile_tokens == 0  # room for some layers unchecked
     cpu = make_plan(Hardware(ram_total_gib=16.0, ram_available_gib=12.0), model_shape="qwen3-8b", max_length=32768)
     assert cpu.mlp_kernel == "layers"  # peft's layers on a CPU: nothing to fuse
 
     shape = ModelShape.named("tinyllama-1.1b")
     common = dict(max_length=1024, micro_batch=8, lora_kernel="fused", compiled=True, compute_dtype="float16",
-                  frozen_dtype="float16", gradient_checkpointing=True, offload_activations=True)
+                  frozen_dtype="float16", gradient_checkpointing=True, offload_activations=True, loss_tile_tokens=1024)
     layers, traced, chunked = (estimate(shape, **common, mlp_kernel=k) for k in ("layers", "traced", "chunked"))
     mib = 2**20
     # One layer's backward at 8,192 tokens: each tokens x intermediate tensor is 88 MiB; the traced function holds
-    # four fewer than the per-projection MLP (less its fixed chunk and weight), the chunked op fewer still.
+    # five fewer than the per-projection MLP (less its two fixed chunks and a weight), the chunked op fewer still.
     saved_traced = (layers.activations_gib - traced.activations_gib) * 2**30 / mib
     saved_chunked = (layers.activations_gib - chunked.activations_gib) * 2**30 / mib
     assert 150 < saved_traced < saved_chunked < 600, (saved_traced, saved_chunked)
     assert traced.settings["mlp_kernel"] == "traced" and chunked.settings["mlp_kernel"] == "chunked"
+    # The loss head's tile of 1,024 instead of TRL's 4,096 tokens x 32,000 logits (fp16): 3,072 x 32,000 x 2 bytes less.
+    trl_tile = estimate(shape, **{**common, "loss_tile_tokens": 0}, mlp_kernel="traced")
+    assert (trl_tile.loss_head_gib - traced.loss_head_gib) * 2**30 == 3072 * 32000 * 2

@@ -41,12 +41,15 @@ def loss_and_grads(model, ids, autocast_dtype=None):
     return out.loss.item(), {n: p.grad.float().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-@pytest.mark.parametrize("nested", [True, False])
+@pytest.mark.parametrize("nested, keep_8bit", [(True, False), (True, True), (False, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_the_fused_dequantisation_is_bitsandbytes_own(nested, dtype):
-    """kernels._dequantize (bitsandbytes' registered ops on plain tensors, what a compiled layer can trace) gives
-    bitsandbytes.functional.dequantize_4bit's weight bit for bit, with and without double quantisation (whose
-    8-bit absmax values quant_args dequantises once, to fp32)."""
+def test_the_fused_dequantisation_is_bitsandbytes_own(nested, keep_8bit, dtype):
+    """kernels._dequantize (on plain tensors, what a compiled layer can trace) gives
+    bitsandbytes.functional.dequantize_4bit's weight, with and without double quantisation: eagerly bit for bit
+    (bitsandbytes' registered ops, the 8-bit absmax values dequantised once to fp32 by quant_args, or, kept 8-bit,
+    at each call), and compiled by inductor from the 8-bit values and their table as plain tensor code (one fused
+    kernel on a GPU; the absmax values may round once where bitsandbytes rounds twice: within one step of the
+    dtype's rounding, almost every weight equal)."""
     import bitsandbytes.functional as bnbf
 
     from freetune import bnb_cpu
@@ -55,14 +58,47 @@ def test_the_fused_dequantisation_is_bitsandbytes_own(nested, dtype):
     weight = torch.randn(96, 160, generator=torch.Generator().manual_seed(1)).to(dtype)
     packed, state = bnbf.quantize_4bit(weight, quant_type="nf4", compress_statistics=nested)
     assert state.nested == nested
-    absmax, spec = kernels.quant_args(state)
-    assert absmax.dtype == torch.float32 and absmax.numel() == weight.numel() // state.blocksize
-    assert (absmax is not state.absmax) == nested  # nested: a new fp32 tensor; the 8-bit one stays as it was
-    got = kernels._dequantize(packed, absmax, spec)
+    absmax, table, spec = kernels.quant_args(state, keep_8bit_absmax=keep_8bit)
+    assert absmax.numel() == weight.numel() // state.blocksize
+    if nested and keep_8bit:  # the 8-bit values as they were, and a table of 16 + 256 + 1 + one scale per 256
+        assert absmax is state.absmax and absmax.dtype == torch.uint8 and table.shape == (16 + 256 + 1 + 1,)
+    else:
+        assert table is None and absmax.dtype == torch.float32
+        assert (absmax is not state.absmax) == nested  # nested: a new fp32 tensor; the 8-bit one stays as it was
     want = bnbf.dequantize_4bit(packed, state)
+    got = kernels._dequantize(packed, absmax, spec, table)
     assert got.dtype == dtype and got.shape == weight.shape
     assert torch.equal(got, want)
     assert (got.float() - weight.float()).abs().mean() < 0.1  # and it is the weight, not some other tensor
+    if table is not None:
+        torch._dynamo.reset()
+        traced = torch.compile(kernels._dequantize, backend="inductor", fullgraph=True)(packed, absmax, spec, table)
+        torch._dynamo.reset()
+        assert traced.dtype == dtype and traced.shape == weight.shape
+        step = {torch.float32: 2**-23, torch.bfloat16: 2**-8, torch.float16: 2**-10}[dtype]
+        torch.testing.assert_close(traced.float(), want.float(), rtol=step, atol=0)
+        assert (traced != want).float().mean() < 0.01
+
+
+def test_the_compiled_dequantisation_from_8bit_absmax_values_on_a_gpu():
+    """The same on a GPU (run on the GPU machine with `pytest tests/test_kernels.py -k on_a_gpu`): inductor's kernel
+    from the 8-bit absmax values and their table gives bitsandbytes' CUDA dequantisation of an odd-sized weight."""
+    import bitsandbytes.functional as bnbf
+
+    if not torch.cuda.is_available():
+        pytest.skip("bitsandbytes' CUDA kernels and inductor's GPU code need a GPU; the CPU cases cover the arithmetic")
+    for dtype in (torch.float16, torch.bfloat16):
+        weight = torch.randn(1536, 8960 + 96, device="cuda", generator=torch.Generator("cuda").manual_seed(2)).to(dtype)
+        packed, state = bnbf.quantize_4bit(weight, quant_type="nf4", compress_statistics=True)
+        absmax, table, spec = kernels.quant_args(state, keep_8bit_absmax=True)
+        want = bnbf.dequantize_4bit(packed, state)
+        assert torch.equal(kernels._dequantize(packed, absmax, spec, table), want)
+        torch._dynamo.reset()
+        traced = torch.compile(kernels._dequantize, fullgraph=True)(packed, absmax, spec, table)
+        torch._dynamo.reset()
+        step = {torch.bfloat16: 2**-8, torch.float16: 2**-10}[dtype]
+        torch.testing.assert_close(traced.float(), want.float(), rtol=step, atol=0)
+        assert (traced != want).float().mean() < 0.01
 
 
 def test_the_fused_layers_keep_fp32_absmax_values_instead_of_8bit_ones_as_the_memory_estimate_counts(tiny_model_dir):
@@ -94,10 +130,42 @@ def test_the_fused_layers_keep_fp32_absmax_values_instead_of_8bit_ones_as_the_me
              - estimate(shape, lora_kernel="peft", **common).weights_4bit_gib) * 2**30
     # (rel: the estimate counts the 8-bit values' own fp32 absmax per 256 blocks, not rounded up per layer)
     assert added == pytest.approx(sum(c.numel() * c.element_size() for c in copies) - dropped, rel=0.02)
-    # Under FSDP the fused layers never run, and without double quantisation bitsandbytes' absmax is fp32 already.
-    for other in (dict(shards=2), dict(double_quant=False)):
+    # Under FSDP the fused layers never run, without double quantisation bitsandbytes' absmax is fp32 already, and
+    # compiled layers (but for the chunked MLP op's) keep the 8-bit values (the next test).
+    for other in (dict(shards=2), dict(double_quant=False), dict(compiled=True), dict(compiled=True,
+                                                                                        mlp_kernel="traced")):
         assert (estimate(shape, lora_kernel="fused", **common, **other).weights_4bit_gib
                 == estimate(shape, lora_kernel="peft", **common, **other).weights_4bit_gib)
+    assert (estimate(shape, lora_kernel="fused", compiled=True, mlp_kernel="chunked", **common).weights_4bit_gib
+            == estimate(shape, lora_kernel="fused", **common).weights_4bit_gib)
+
+
+def test_layers_that_will_be_compiled_keep_the_8bit_absmax_values(tiny_model_dir):
+    """keep_8bit_absmax (the plan's choice where the layers are compiled): bitsandbytes' double-quantised state stays
+    as it was (its own forward untouched), each fused layer reads the same 8-bit tensor plus a small table of fp32
+    values, and its eager forward and backward equal the fp32 copy's."""
+    from peft.tuners.lora import LoraLayer
+
+    from freetune.memory import keeps_8bit_absmax
+
+    assert keeps_8bit_absmax("fused", True, "traced") and keeps_8bit_absmax("fused", True, "layers")
+    assert not keeps_8bit_absmax("fused", False, "layers") and not keeps_8bit_absmax("fused", True, "chunked")
+    assert not keeps_8bit_absmax("peft", True, "layers")
+    ids = torch.randint(3, 500, (1, 48), generator=torch.Generator().manual_seed(5))
+    reference = quantized_lora_model(tiny_model_dir, torch.float32)
+    kernels.use_fused_lora(reference)
+    want = loss_and_grads(reference, ids)
+    model = quantized_lora_model(tiny_model_dir, torch.float32)
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    states = [(m.base_layer.weight.quant_state, m.base_layer.weight.quant_state.absmax) for m in layers]
+    assert kernels.use_fused_lora(model, keep_8bit_absmax=True)[0] == len(layers)
+    for layer, (state, absmax) in zip(layers, states):
+        assert state.nested and state.absmax is absmax and layer._freetune_absmax is absmax
+        assert layer._freetune_absmax_table.numel() == 16 + 256 + 1 + -(-absmax.numel() // 256)
+    got = loss_and_grads(model, ids)
+    assert got[0] == pytest.approx(want[0], rel=1e-6)
+    for name, grad in want[1].items():
+        assert torch.allclose(got[1][name], grad, rtol=1e-5, atol=1e-7), name
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 0.05)])
@@ -204,11 +272,12 @@ def test_evaluation_and_unsupported_layers_keep_peft_forward(tiny_model_dir):
     assert kernels.use_fused_lora(dora)[0] == 0
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_compiled_layers_train_like_eager_ones(tiny_model_dir, checkpointing):
+@pytest.mark.parametrize("checkpointing, keep_8bit", [(False, True), (True, True), (True, False)])
+def test_compiled_layers_train_like_eager_ones(tiny_model_dir, checkpointing, keep_8bit):
     """compile_layers compiles each decoder layer with its fused LoRA layers inside, as one graph (aot_eager:
-    dynamo and the autograd graph as the GPU's inductor sees them, without a C compiler), over three lengths,
-    with and without gradient checkpointing (the T4 plan has it on)."""
+    dynamo and the autograd graph as the GPU's inductor sees them), over three lengths, with and without gradient
+    checkpointing (the T4 plan has it on), the compiled layers dequantising from the 8-bit absmax values in the graph
+    (the plan's way) or from fp32 ones; the eager reference reads fp32 ones."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -217,7 +286,7 @@ def test_compiled_layers_train_like_eager_ones(tiny_model_dir, checkpointing):
     for model in (eager, compiled):
         if checkpointing:  # as the Trainer sets it up, before train() compiles the layers
             model.get_base_model().gradient_checkpointing_enable({"use_reentrant": False})
-        kernels.use_fused_lora(model)
+        kernels.use_fused_lora(model, keep_8bit_absmax=keep_8bit and model is compiled)
     torch._dynamo.reset()
     counters.clear()
     assert kernels.compile_layers(compiled, backend="aot_eager") == len(compiled.get_base_model().model.layers)
