@@ -27,17 +27,26 @@ PROBE_SHAPE = (96, 160)
 def dequantize_4bit_reference(packed, absmax, blocksize: int, quant_type: str, shape, dtype):
     """The 4-bit weight as bitsandbytes' CUDA kernel computes it: two codes per byte (high nibble first), each
     looked up in the NF4/FP4 table and scaled by its block's absmax, blocks of `blocksize` over the flat tensor."""
-    import torch
     from bitsandbytes.functional import get_4bit_type
+
+    return decode_4bit(packed, get_4bit_type(quant_type, device=packed.device), absmax, blocksize, shape, dtype)
+
+
+def decode_4bit(packed, code, absmax, blocksize: int, shape, dtype):
+    """dequantize_4bit_reference with the 16 values of the 4-bit code given as a tensor: plain tensor code, which
+    inductor fuses into one kernel inside a compiled graph (freetune.kernels._dequantize). Each byte is read twice,
+    shifted by 4 then 0: a stack of its two halves stayed a copy kernel of its own in inductor's (CPU) code."""
+    import torch
 
     flat = packed.reshape(-1)
     if flat.dtype != torch.uint8:
         flat = flat.view(torch.uint8)
     n = math.prod(shape)
-    codes = torch.stack([flat >> 4, flat & 0xF], dim=1).reshape(-1)[:n].long()
-    values = get_4bit_type(quant_type, device=flat.device)[codes].float()
-    scale = absmax.float().repeat_interleave(blocksize)[:n]
-    return (values * scale).reshape(shape).to(dtype)
+    shifts = 4 - 4 * torch.arange(2, device=flat.device, dtype=torch.uint8)
+    codes = (flat.reshape(-1, 1).expand(-1, 2) >> shifts).bitwise_and(0xF).reshape(-1)[:n].long()
+    blocks = absmax.shape[0]
+    scale = absmax.float()[:, None].expand(blocks, blocksize).reshape(-1)[:n]
+    return (code[codes].float() * scale).reshape(shape).to(dtype)
 
 
 def check_dequantize() -> tuple[bool, str]:

@@ -95,14 +95,6 @@ def _add_dropped_(dx, lora, packed, scale: float):
 
 
 @_pointwise
-def _silu_mul(g, u):
-    """SwiGLU's activation: silu(g) * u."""
-    import torch
-
-    return torch.nn.functional.silu(g) * u
-
-
-@_pointwise
 def _activation(g, u, packed, scale: float):
     """SwiGLU's activation silu(g) * u, dropped where the packed mask did not keep it (no mask: as it is)."""
     import torch
@@ -194,7 +186,7 @@ def _define():
             xc = x[start:end]
             g, hs[0][start:end], mg = _project(xc, wg, lora[0], lora[1], gs, p)
             u, hs[1][start:end], mu = _project(xc, wu, lora[2], lora[3], us, p)
-            act = _silu_mul(g, u)
+            act = _activation(g, u, None, 0.0)
             del g, u
             out[start:end], hs[2][start:end], md = _project(act, wd, lora[4], lora[5], ds, p)
             del act
@@ -237,7 +229,7 @@ def _define():
             g.addmm_(hg[start:end], lora[1].t(), alpha=gs)
             u = xc @ wu.t()
             u.addmm_(hu[start:end], lora[3].t(), alpha=us)
-            act = _silu_mul(g, u)                                 # the down projection's input
+            act = _activation(g, u, None, 0.0)                    # the down projection's input
             dh = _lora_grads(dy, act, mask_d, hd[start:end], lora[5], ds, p, grads, 4)
             del act
             dact = _input_grad(dy, dh, mask_d, wd, lora[4], p)

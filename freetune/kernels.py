@@ -25,9 +25,7 @@ default (the plan's choice), and its losses match the plain stack's draw for dra
 
 from __future__ import annotations
 
-import math
-
-from freetune import overrides
+from freetune import bnb_cpu, overrides
 # Which layers qualify reads peft's and bitsandbytes' internals: freetune.overrides.fusable.
 from freetune.overrides import fusable
 
@@ -90,16 +88,10 @@ def _dequantize(packed, absmax, spec, table=None):
 
     blocksize, quant_type, shape, dtype = spec
     if table is not None and torch.compiler.is_compiling():
-        n, blocks = math.prod(shape), absmax.shape[0]
         code4, code8, offset, scales = _table_parts(table)
-        block = torch.arange(blocks, device=absmax.device) // NESTED_BLOCKSIZE
-        block_absmax = code8[absmax.long()] * scales[block] + offset
-        # Each byte twice, shifted by 4 then 0 (no stack or cat of the two halves: inductor left that as a copy kernel
-        # of its own between two fused ones, seen in its generated code on a CPU).
-        shifts = 4 - 4 * torch.arange(2, device=packed.device, dtype=torch.uint8)
-        codes = (packed.reshape(-1, 1).expand(-1, 2) >> shifts).bitwise_and(0xF).reshape(-1)[:n].long()
-        scale = block_absmax[:, None].expand(blocks, blocksize).reshape(-1)[:n]
-        return (code4[codes] * scale).reshape(shape).to(dtype)
+        block = torch.arange(absmax.shape[0], device=absmax.device) // NESTED_BLOCKSIZE
+        return bnb_cpu.decode_4bit(packed, code4, code8[absmax.long()] * scales[block] + offset, blocksize, shape,
+                                   dtype)
     if table is not None:
         absmax = decoded_absmax(absmax, table)
     return torch.ops.bitsandbytes.dequantize_4bit.default(packed, absmax, blocksize, quant_type, shape, dtype)
