@@ -328,15 +328,15 @@ def _swiglu_backward_op():
 def _traced_function():
     import torch
 
-    def dequantized(packed, absmax, table, spec, copy: int = 0):
-        """The 16-bit weight; `copy` 1 or 2 dequantises from a fresh copy of the fp32 absmax values (or of their
-        table: kernels.quant_args) (x * 1, x + 0): the traced graph's common-subexpression elimination would
-        otherwise merge the backward's dequantisation (and then its matmuls) with the forward's, and the partitioner
-        would save the forward's gate and up outputs."""
+    def dequantized(packed, absmax, table, spec, copy: bool = False):
+        """The 16-bit weight; `copy` dequantises from a fresh copy of the fp32 absmax values (or of their table:
+        kernels.quant_args) (x * 1): the traced graph's common-subexpression elimination would otherwise merge the
+        backward's dequantisation (and then its matmuls) with the forward's, and the partitioner would save the
+        forward's gate and up outputs."""
         if copy and table is None:
-            absmax = absmax * 1.0 if copy == 1 else absmax + 0.0
+            absmax = absmax * 1.0
         elif copy:
-            table = table * 1.0 if copy == 1 else table + 0.0
+            table = table * 1.0
         return kernels._dequantize(packed, absmax, spec, table)
 
     def masked(t, packed, p: float):
@@ -395,8 +395,8 @@ def _traced_function():
             shape = dout.shape
             dy = dout.reshape(-1, shape[-1]).to(compute)
             # gate and up again (their LoRA terms, from the saved A outputs, added by the op below)
-            g = x2 @ dequantized(gw, gabs, gtab, specs[0], copy=1).t()
-            u = x2 @ dequantized(uw, uabs, utab, specs[1], copy=1).t()
+            g = x2 @ dequantized(gw, gabs, gtab, specs[0], copy=True).t()
+            u = x2 @ dequantized(uw, uabs, utab, specs[1], copy=True).t()
             # The down projection's gradients and SwiGLU's, in one op that writes d gate and d up over g and u
             # (_swiglu_backward_op): traced, the compiler fused and reordered this part into kernels that kept five
             # or more tokens x intermediate tensors alive at once.
@@ -413,7 +413,7 @@ def _traced_function():
                     (d_up, hu, mu, ua, ub, us, uw, uabs, utab, specs[1])):
                 dh = (d @ b).mul_(s)
                 grads += [dh.t() @ (x2 if mask is None else masked(x2, mask, p)), (d.t() @ h).mul_(s)]
-                part = d @ dequantized(packed, absmax, table, spec, copy=2)
+                part = kernels.times_dequantized(d, packed, absmax, spec, table)
                 part = part.addmm_(dh, a) if mask is None else part + masked(dh @ a, mask, p)
                 dx = part if dx is None else dx + part
             grads += [grad_da, grad_db]
@@ -445,6 +445,7 @@ def _traced_class():
     global _TRACED
     if _TRACED is None:
         _swiglu_backward_op()
+        kernels._dequantized_mm_op()
         _TRACED = _traced_function()
     return _TRACED
 

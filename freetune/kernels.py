@@ -97,6 +97,40 @@ def _dequantize(packed, absmax, spec, table=None):
     return torch.ops.bitsandbytes.dequantize_4bit.default(packed, absmax, blocksize, quant_type, shape, dtype)
 
 
+def times_dequantized(d, packed, absmax, spec, table=None):
+    """d W for a packed 4-bit weight W (out, in): a backward's input gradient. Inside a compiled graph through an op
+    the compiler cannot see into (freetune::dequantized_mm), which dequantises where the graph reaches it and lets the
+    16-bit weight die with the product. As graph code the dequantisation hangs on the layer's inputs alone, and
+    inductor fused it with the recomputed forward's dequantisation of the same weight (the traced MLP's gate and up,
+    in its CPU code) or ran it at the top of the backward graph (the attention's projections, in a memory snapshot on
+    the GPU): a 16-bit copy of each weight alive from there to its use, at the backward's peak."""
+    import torch
+
+    if not torch.compiler.is_compiling():
+        return d @ _dequantize(packed, absmax, spec, table)
+    blocksize, quant_type, shape, dtype = spec
+    return _dequantized_mm_op()(d, packed, absmax, table, blocksize, quant_type, list(shape), dtype)
+
+
+_DEQUANTIZED_MM: dict = {}  # "op": freetune::dequantized_mm, defined once per process
+
+
+def _dequantized_mm_op():
+    if "op" not in _DEQUANTIZED_MM:
+        import torch
+
+        def impl(d, packed, absmax, table, blocksize: int, quant_type: str, shape: list[int], dtype):
+            return d @ _dequantize(packed, absmax, (blocksize, quant_type, tuple(shape), dtype), table)
+
+        schema = ("(Tensor d, Tensor packed, Tensor absmax, Tensor? table, int blocksize, str quant_type, int[] shape, "
+                  "ScalarType dtype) -> Tensor")
+        op = torch.library.custom_op("freetune::dequantized_mm", impl, mutates_args=(), schema=schema)
+        op.register_fake(lambda d, packed, absmax, table, blocksize, quant_type, shape, dtype:
+                         d.new_empty((d.shape[0], shape[1])))
+        _DEQUANTIZED_MM["op"] = op
+    return _DEQUANTIZED_MM["op"]
+
+
 def decoded_absmax(absmax, table):
     """8-bit absmax values and their nested_table as the fp32 values, through bitsandbytes' op (eagerly)."""
     import torch
@@ -208,9 +242,7 @@ def _function():
                 grad_a = (dh.t() @ xd).to(ctx.a_dtype)
                 del xd
             if ctx.needs_input_grad[0]:
-                w = _dequantize(weight, absmax, ctx.spec, table)
-                grad_x = dy2 @ w
-                del w
+                grad_x = times_dequantized(dy2, weight, absmax, ctx.spec, table)
                 if mask is None:
                     grad_x.addmm_(dh, a)
                 else:
@@ -232,6 +264,7 @@ def _fused_function():
     the plain stack's speed and memory (reports/gpu/bench_breaks_fn_disabled.json)."""
     global _FN
     if _FN is None:
+        _dequantized_mm_op()
         _FN = _function()
     return _FN
 

@@ -80,6 +80,38 @@ def test_the_fused_dequantisation_is_bitsandbytes_own(nested, keep_8bit, dtype):
         assert (traced != want).float().mean() < 0.01
 
 
+@pytest.mark.parametrize("keep_8bit", [False, True])
+def test_a_backward_input_gradient_dequantises_its_weight_where_the_compiled_graph_reaches_it(keep_8bit):
+    """kernels.times_dequantized (d W, a backward's input gradient) is d times bitsandbytes' dequantised weight,
+    eagerly and compiled; compiled, the dequantisation runs inside freetune::dequantized_mm, called with d, so that
+    inductor can neither fuse it with the same weight's dequantisation earlier in the graph nor move it there (which
+    kept a 16-bit copy of each weight alive across the backward's peak)."""
+    import bitsandbytes.functional as bnbf
+    from torch._inductor.utils import run_and_get_code
+
+    from freetune import bnb_cpu
+
+    bnb_cpu.ensure_correct_dequantize()
+    weight = torch.randn(96, 160, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    packed, state = bnbf.quantize_4bit(weight, quant_type="nf4", compress_statistics=True)
+    absmax, table, spec = kernels.quant_args(state, keep_8bit_absmax=keep_8bit)
+    x = torch.randn(37, 160, dtype=torch.bfloat16)
+    want_w = bnbf.dequantize_4bit(packed, state)
+
+    def forward_then_gradient(x):  # the recomputed forward's product, then the input gradient of a function of it
+        y = x @ kernels._dequantize(packed, absmax, spec, table).t()
+        return y, kernels.times_dequantized(y * 2.0, packed, absmax, spec, table)
+
+    y, eager = forward_then_gradient(x)
+    assert torch.equal(eager, (y * 2.0) @ want_w)
+    kernels._dequantized_mm_op()  # defined eagerly, as use_fused_lora does before any layer compiles
+    torch._dynamo.reset()
+    (y_compiled, compiled), codes = run_and_get_code(torch.compile(forward_then_gradient, fullgraph=True), x)
+    torch._dynamo.reset()
+    assert "torch.ops.freetune.dequantized_mm.default(" in "\n".join(codes)
+    torch.testing.assert_close(compiled.float(), ((y_compiled * 2.0) @ want_w).float(), rtol=0.02, atol=0.05)
+
+
 def test_the_compiled_dequantisation_from_8bit_absmax_values_on_a_gpu():
     """The same on a GPU (run on the GPU machine with `pytest tests/test_kernels.py -k on_a_gpu`): inductor's kernel
     from the 8-bit absmax values and their table gives bitsandbytes' CUDA dequantisation of an odd-sized weight."""
