@@ -116,6 +116,8 @@ _DEQUANTIZED_MM: dict = {}  # "op": freetune::dequantized_mm, defined once per p
 
 
 def _dequantized_mm_op():
+    """freetune::dequantized_mm (times_dequantized), made once, eagerly: dynamo cannot trace its making, so the fused
+    layers' builders call this before any layer compiles."""
     if "op" not in _DEQUANTIZED_MM:
         import torch
 
