@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from freetune.errors import FreetuneError
 from freetune.fast import POLICY_BACKENDS, VARLEN_ATTENTION, VARLEN_KERNEL_NAMES, varlen_backend, varlen_works
-from freetune.memory import TILE_TOKENS, ModelShape, estimate
+from freetune.memory import TILE_TOKENS, ModelShape, embedding_bytes, estimate
 
 if TYPE_CHECKING:
     from freetune.preflight import Hardware
@@ -287,6 +287,23 @@ def choose_loss_tile(common: dict) -> tuple[int, str]:
         return 0, f"TRL's {TILE_TOKENS:,} tokens per tile"
     return TIGHT_LOSS_TILE_TOKENS, (f"{TIGHT_LOSS_TILE_TOKENS:,} tokens per tile, not TRL's {TILE_TOKENS:,}: every "
                                     f"layer is checkpointed, and a tile of logits is a real share of the memory")
+
+
+def choose_embeddings(shape, common: dict, layout: str) -> tuple[bool, str]:
+    """(keep the input embedding table in host RAM?, why): on one GPU where every layer is checkpointed (memory is
+    tight), unless the lm_head shares the table (freetune.host_embeddings)."""
+    size = embedding_bytes(shape, common.get("frozen_dtype", "float32")) / 2**20
+    tight = common.get("gradient_checkpointing") and common.get("checkpoint_every", 1) == 1
+    if common.get("device") != "cuda":
+        return False, "with the rest of the model"
+    if shape.tied_embeddings:
+        return False, f"on the GPU: the lm_head shares the table ({size:,.0f} MiB), and the loss needs it there"
+    if layout != "single":
+        return False, "on the GPUs: DDP and FSDP keep every weight of the model on each rank's GPU"
+    if not tight:
+        return False, f"on the GPU ({size:,.0f} MiB): not every layer is checkpointed, there is memory to spare"
+    return True, (f"in host RAM, {size:,.0f} MiB off the GPU: each micro-batch's tokens are looked up there and only "
+                  f"their rows copied to the GPU (the lm_head is a weight of its own and stays)")
 
 
 def choose_compile(compile_layers: str, device: str, layout: str) -> tuple[bool, str]:

@@ -142,7 +142,9 @@ def _efficient_op():
         groups = q.shape[1] // k.shape[1]
         outs, lses = [], []
         for qs, ks in parts(q, k):
-            qp, kp, vp = q[:, qs].contiguous(), repeated(k[:, ks], groups), repeated(v[:, ks], groups)
+            # q's heads of this part as a view, not a copy: the kernel reads the token and head strides it is given
+            # (only the last dimension must be contiguous); every copy is a launch on a launch-bound step.
+            qp, kp, vp = q[:, qs], repeated(k[:, ks], groups), repeated(v[:, ks], groups)
             # (1, tokens, heads, dim), as the kernel takes batches; custom_mask_type 1: causal from each row's start.
             # The logsumexp is what the backward needs; the dropout seeds are not (no dropout in attention).
             out, lse = torch.ops.aten._efficient_attention_forward(qp[None], kp[None], vp[None], None, cu, cu,
@@ -176,6 +178,8 @@ def _efficient_op():
         groups = q.shape[1] // k.shape[1]
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         for qs, ks in parts(q, k):
+            # Contiguous copies here, unlike the forward: with head-slice views of grad, q and out the kernel's
+            # gradients came out wrong (the own-logits GPU test, torch 2.11 on an H200).
             qp = q[:, qs].contiguous()
             kp, vp = repeated(k[:, ks], groups), repeated(v[:, ks], groups)
             dqp, dkp, dvp, _ = torch.ops.aten._efficient_attention_backward(

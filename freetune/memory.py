@@ -351,6 +351,11 @@ def loss_head_bytes(shape: ModelShape, tokens: int, *, compute_dtype: str = "bfl
     raise ValueError(f"loss_head must be 'chunked' or 'full', not {loss_head!r}")
 
 
+def embedding_bytes(shape: ModelShape, frozen_dtype: str = "float32") -> int:
+    """The input embedding table's bytes (vocab x hidden in the frozen weights' dtype)."""
+    return shape.vocab * shape.hidden * (2 if _is_16bit(frozen_dtype) else 4)
+
+
 def keeps_8bit_absmax(lora_kernel: str, compiled: bool, mlp_kernel: str) -> bool:
     """Whether the fused LoRA layers keep double-quantised weights' absmax values 8-bit (freetune.kernels.quant_args:
     compiled layers decode them inside their dequantisation kernels), rather than an fp32 copy: where every use is
@@ -364,7 +369,8 @@ def estimate(shape: ModelShape, *, max_length: int, micro_batch: int, lora_rank:
              world_size: int = 1, double_quant: bool = True, loss_head: str = "chunked",
              shards: int = 1, lora_kernel: str = "peft", frozen_dtype: str = "float32",
              offload_activations: bool = False, compiled: bool = False, checkpoint_every: int = 1,
-             mlp_kernel: str = "layers", loss_tile_tokens: int = 0) -> MemoryEstimate:
+             mlp_kernel: str = "layers", loss_tile_tokens: int = 0,
+             embeddings_on_host: bool = False) -> MemoryEstimate:
     """Peak memory of one training step at micro_batch rows of max_length tokens (every row padded to it: the
     worst batch of a run decides whether it fits).
 
@@ -375,7 +381,8 @@ def estimate(shape: ModelShape, *, max_length: int, micro_batch: int, lora_rank:
 
     lora_kernel "fused" (freetune.kernels, never under FSDP): each double-quantised weight keeps its absmax values
     8-bit where keeps_8bit_absmax, else dequantised once to fp32 (4 bytes per 64 weights). mlp_kernel "chunked" or
-    "traced": freetune.fused_mlp.
+    "traced": freetune.fused_mlp. embeddings_on_host: an untied input embedding table in host RAM
+    (freetune.host_embeddings), off the GPU.
     """
     tokens = micro_batch * max_length
     # Fused layers that are not compiled keep a double-quantised weight's absmax values in fp32 instead
@@ -385,6 +392,8 @@ def estimate(shape: ModelShape, *, max_length: int, micro_batch: int, lora_rank:
     # frozen_dtype float32: peft's prepare_model_for_kbit_training casts every non-4-bit parameter to fp32, whatever
     # dtype it loaded in; 16-bit: freetune keeps them as loaded (Plan.frozen_dtype).
     other_weights = shape.other_params * (2 if _is_16bit(frozen_dtype) else 4)
+    if embeddings_on_host and shards == 1 and not shape.tied_embeddings:
+        other_weights -= embedding_bytes(shape, frozen_dtype)
     trainable = shape.lora_params(lora_rank, lora_targets)
     # fp32 LoRA weights and fp32 gradients; under DDP the gradient buckets hold one more copy of the gradients.
     lora = trainable * (4 + 4 + (4 if world_size > 1 else 0))
@@ -414,7 +423,7 @@ def estimate(shape: ModelShape, *, max_length: int, micro_batch: int, lora_rank:
                     compute_dtype=compute_dtype, device=device, world_size=world_size, loss_head=loss_head,
                     shards=shards, lora_kernel=lora_kernel, frozen_dtype=frozen_dtype,
                     offload_activations=offload_activations, compiled=compiled, checkpoint_every=checkpoint_every,
-                    mlp_kernel=mlp_kernel, loss_tile_tokens=loss_tile_tokens)
+                    mlp_kernel=mlp_kernel, loss_tile_tokens=loss_tile_tokens, embeddings_on_host=embeddings_on_host)
     return MemoryEstimate(
         weights_4bit_gib=weights_4bit / GIB, other_weights_gib=other_weights / GIB, lora_gib=lora / GIB,
         optimizer_gib=optimizer_state / GIB, activations_gib=activations / GIB, loss_head_gib=head / GIB,

@@ -297,9 +297,14 @@ def fusable_mlp(module) -> str | None:
 
 
 def replace_forward(module, forward) -> None:
-    """peft 0.21: a LoRA layer's forward replaced on the instance; peft's own stays reachable as type(module).forward,
-    which the replacement calls for everything it does not do itself."""
+    """A module's forward replaced on the instance (peft 0.21's LoRA layers, a torch nn.Embedding): the class's own
+    stays reachable as type(module).forward, which the replacement calls for everything it does not do itself."""
     module.forward = types.MethodType(forward, module)
+
+
+def restore_forward(module) -> None:
+    """Undo replace_forward: the class's own forward again."""
+    module.__dict__.pop("forward", None)
 
 
 # ---- bitsandbytes 0.50: its CPU 4-bit kernel and layouts (freetune.bnb_cpu) -----------------------------------------

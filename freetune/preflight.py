@@ -27,7 +27,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 from freetune import resources
 from freetune.choices import (choose_attention, choose_batching, choose_budget,
-                              choose_checkpoint_every, choose_checkpointing, choose_compile, choose_frozen_dtype,
+                              choose_checkpoint_every, choose_checkpointing, choose_compile, choose_embeddings,
+                              choose_frozen_dtype,
                               choose_layout, choose_lora_kernel, choose_loss_tile, choose_mlp_kernel, choose_offload,
                               choose_optimizer, choose_policy, choose_precision, choose_sampler, resolve_policy,
                               resolve_shape, varlen_attention_reason)
@@ -227,6 +228,7 @@ class Plan:
     # "traced" (freetune.fused_mlp: the SwiGLU MLP as one autograd node, gate and up recomputed in its backward) |
     # "chunked" (the same as one op over token chunks) | "layers" (each projection on its own)
     mlp_kernel: str = "layers"
+    embeddings_on_host: bool = False  # the input embedding table in host RAM while training (freetune.host_embeddings)
     asked: dict = field(default_factory=dict)  # make_plan's arguments (hardware apart), for replan
     memory: MemoryEstimate | None = None
     machine: str = ""
@@ -274,6 +276,8 @@ class Plan:
             ("checkpointing", self.checkpointing_text(), r.get("gradient_checkpointing", "")),
             ("LoRA kernel", self.lora_kernel, r.get("lora_kernel", "")),
             ("MLP kernel", self.mlp_kernel, r.get("mlp_kernel", "")),
+            ("input embeddings", "host RAM" if self.embeddings_on_host else "GPU" if self.device == "cuda" else
+             "with the model", r.get("embeddings", "")),
             ("optimizer", self.optimizer, r.get("optimizer", "")),
             ("compile", "per decoder layer" if self.compile else "off", r.get("compile", "")),
             ("max_length", str(self.max_length), r.get("max_length", "")),
@@ -468,6 +472,7 @@ def _memory_step(plan: Plan, sizing: _Sizing, **lora) -> None:
     common["mlp_kernel"], plan.reasons["mlp_kernel"] = choose_mlp_kernel(sizing.shape, sizing.budget, sizing.sized,
                                                                          common)
     common["loss_tile_tokens"], plan.reasons["loss_tile"] = choose_loss_tile(common)
+    common["embeddings_on_host"], plan.reasons["embeddings"] = choose_embeddings(sizing.shape, common, plan.layout)
     warnings_before = len(plan.warnings)
     _fit_batch(plan, sizing)
     _shard_if_needed(plan, sizing, warnings_before)
@@ -541,6 +546,8 @@ def _shard_if_needed(plan: Plan, sizing: _Sizing, warnings_before: int) -> None:
     common["shards"] = max(world, 1)
     common["offload_activations"] = False  # FSDP's own path; not combined with TRL's offloading here
     common["compiled"] = False  # FSDP runs eagerly (choices.choose_compile)
+    common["embeddings_on_host"] = False
+    plan.reasons["embeddings"] = "on the GPUs: FSDP shards the table with the model's root unit"
     del plan.warnings[warnings_before:]  # they were about the unsharded layout
     if asked is None:
         plan.micro_batch, plan.max_length, plan.memory, why = fit(shape, budget, max_length=sized,
@@ -591,6 +598,7 @@ def _final_step(plan: Plan, hardware: Hardware, sizing: _Sizing, compile: str) -
     plan.checkpoint_every = memory.settings.get("checkpoint_every", 1) if memory is not None else 1
     plan.mlp_kernel = memory.settings.get("mlp_kernel", "layers") if memory is not None else "layers"
     plan.loss_tile_tokens = memory.settings.get("loss_tile_tokens", 0) if memory is not None else 0
+    plan.embeddings_on_host = bool(memory is not None and memory.settings.get("embeddings_on_host"))
     if plan.mlp_kernel != "layers" and plan.lora_kernel != "fused":  # FSDP took over after the memory step
         plan.mlp_kernel, plan.reasons["mlp_kernel"] = "layers", "the final layout has no fused LoRA layers"
 

@@ -20,7 +20,7 @@ import time
 import warnings
 from pathlib import Path
 
-from freetune import checkpoint, fast, fused_mlp, kernels, overrides, tracking
+from freetune import checkpoint, fast, fused_mlp, host_embeddings, kernels, overrides, tracking
 from freetune import params as param_rules  # not `params`: make_config takes a recipe's parameters under that name
 from freetune.batching import PAD_TO
 from freetune.choices import choose_optimizer
@@ -320,6 +320,7 @@ def train(model, tokenizer, train_dataset, config, *, plan: Plan, paths: Paths, 
         if hub is not None:
             hub.close()
         kernels.uncompile_layers(trainer.model)  # the model may go on to generate: eager layers for that
+        host_embeddings.to_gpu(trainer.model)  # and to export: the model as loaded
     wall = time.time() - start
     _check_trained(trainer, guard, config, paths)
     summary = _summary(trainer, result, wall, stopper.reason, resume_from, paths)
@@ -344,7 +345,7 @@ def _rows_to_train(train_dataset, eval_dataset, config):
 
 def _speed_up(trainer, plan: Plan) -> None:
     """What the plan chose beyond the Trainer's settings: the fused LoRA kernel, the loss head's tiles, the attention
-    kernel (probed now), compiled decoder layers."""
+    kernel (probed now), the input embeddings in host RAM, compiled decoder layers."""
     import torch
 
     if plan.sampler == "rank_balanced" and trainer.args.world_size > 1:
@@ -363,6 +364,8 @@ def _speed_up(trainer, plan: Plan) -> None:
     if torch.cuda.is_available() and plan.batching == "padding_free":
         # Probed now, eagerly, in this process (a torchrun rank too): the attention layers only read the result.
         fast.varlen_works(torch.cuda.current_device(), plan.policy)
+    if plan.embeddings_on_host:
+        trainer.add_callback(host_embeddings.at_train_begin())
     if plan.compile:
         compiled = kernels.compile_layers(trainer.model)
         print0(f"torch.compile: {compiled} decoder layers; the first steps are slower while they compile.")

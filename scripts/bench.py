@@ -16,8 +16,8 @@ Modes (each run in fresh processes, one at a time, so the memory cap, the peak c
 belong to one run; --parallel runs two single-GPU runs at once, one per GPU, faster but skewed):
   uncapped    Qwen2.5-1.5B shape, bf16, the whole GPU;
   t4          Qwen2.5-1.5B shape under a 14.5 GiB cap (torch.cuda.set_per_process_memory_fraction) and the T4's
-              fp16 policy (precision="fp16": fp16 autocast with loss scaling, no FlashAttention-only kernels)
-              and cuBLAS workspace (T4_CUBLAS_WORKSPACE), for both tools;
+              fp16 policy (precision="fp16": fp16 autocast with loss scaling, no FlashAttention-only kernels),
+              for both tools (--t4-cublas-workspace: the T4's cuBLAS workspace too);
   4gb         TinyLlama-1.1B shape under a 4 GiB cap, the same T4 policy.
 With 2 GPUs the uncapped free_tier and freetune runs are repeated under torchrun (DDP) for the scaling efficiency,
 each right after its 1-GPU run (the lent host's speed drifts over minutes; --variants 'again:' repeats a pair).
@@ -56,18 +56,20 @@ REPO = Path(__file__).resolve().parents[1]
 
 ROWS_PER_STEP = 8  # per GPU: batch 1 x accumulation 8 in the free-tier recipe
 LORA_RANK = 16
-LORA_DROPOUT = 0.05  # the recipes' default (Unsloth's runs: 0, what its fused LoRA path needs)
 # The cuBLAS workspace PyTorch takes on a T4 (sm75; ':4096:2:16:8', 8 MiB per thread and stream) where an H200 takes
-# 32 MiB: set for both tools' workers in the emulated T4 modes (a training step holds two: the forward's thread and
-# the backward's).
+# 32 MiB (a training step holds two: the forward's thread and the backward's, so both tools' peaks carry 48 MiB a T4
+# would not). Only with --t4-cublas-workspace: on Hopper so small a workspace costs each matmul about three times the
+# host time (scripts/matmul_host_cost.py), for both tools, which a T4's own kernels do not pay.
 T4_CUBLAS_WORKSPACE = ":4096:2:16:8"
 TINY_SHAPE = ModelShape("tiny", hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, vocab=1024,
                         tied_embeddings=True, attention_bias=True)
 ARCHITECTURE = {"Qwen2.5-1.5B": "qwen2", "TinyLlama-1.1B": "llama", "tiny": "qwen2"}
+# Each mode stands for a recipe: freetune's LoRA dropout there is that recipe's default (recipe_default); Unsloth's runs
+# use 0, what its fused LoRA path needs.
 MODES = {
-    "uncapped": dict(shape="qwen2.5-1.5b", cap_gib=0.0, precision="auto"),
-    "t4": dict(shape="qwen2.5-1.5b", cap_gib=14.5, precision="fp16"),
-    "4gb": dict(shape="tinyllama-1.1b", cap_gib=4.0, precision="fp16"),
+    "uncapped": dict(shape="qwen2.5-1.5b", cap_gib=0.0, precision="auto", recipe="svg_coder"),
+    "t4": dict(shape="qwen2.5-1.5b", cap_gib=14.5, precision="fp16", recipe="svg_coder"),
+    "4gb": dict(shape="tinyllama-1.1b", cap_gib=4.0, precision="fp16", recipe="tiny_4gb"),
 }
 RUNS = ("free_tier", "plain_best", "freetune")
 # Unsloth with its offloaded checkpointing, without checkpointing (both padding-free), and (not asked for in issue 25,
@@ -79,15 +81,28 @@ PEER_SITE_DEFAULT = "/tmp/usite"
 TARGET_X = {"4gb": 1.3, "t4": 1.3, "uncapped": 1.8}
 LEAN_X = 1.3
 # --like-for-like: freetune's plan with the peer's training settings (scripts/bench_unsloth.py): LoRA dropout 0 (its
-# fused LoRA path needs it; freetune's recipes use 0.05) and 8-bit AdamW (its notebooks'; freetune's plan takes fused
-# AdamW where the fp32 state is small against the budget). Judged against each mode's target like the default run.
+# fused LoRA path needs it; svg_coder's recipe uses 0.05, tiny_4gb's 0) and 8-bit AdamW (its notebooks'; freetune's
+# plan takes fused AdamW where the fp32 state is small against the budget). Judged against each mode's target like the
+# default run.
 LIKE_FOR_LIKE = ("like", {"lora_dropout": 0, "optimizer": "adamw_8bit"})
 # --variants keys that are not plan fields: experiments on top of freetune's path. The DDP ones change nothing in
 # one process, so a variant made only of them runs under DDP only (compared with freetune's own 1-GPU run).
-EXPERIMENTS = ("liger", "cpp_wrapper", "dense_head", "no_packed_check", "pin_cores", "byte_masks", "fp32_absmax",
+EXPERIMENTS = ("liger", "cpp_wrapper", "combo_kernels", "dense_head", "no_packed_check", "pin_cores", "byte_masks",
+               "fp32_absmax",
                "lora_dropout",
                "ddp_split", "static_graph", "bucket_view", "bucket_mb", "flat_sync")
 DDP_EXPERIMENTS = ("ddp_split", "static_graph", "bucket_view", "bucket_mb", "flat_sync")
+
+
+def recipe_default(recipe: str, name: str):
+    """A parameter's default in recipes/<recipe>.py's parameters cell (`name: type = literal  # help`)."""
+    import ast
+
+    tree = ast.parse((REPO / "recipes" / f"{recipe}.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id == name:
+            return ast.literal_eval(node.value)
+    raise KeyError(f"recipes/{recipe}.py declares no parameter {name!r}")
 
 
 def shape_of(name: str) -> ModelShape:
@@ -243,7 +258,8 @@ def _step_profiler_class():
                 if self.cuda:
                     torch.cuda.synchronize()
                 acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
-                self.prof = profile(activities=acts)
+                # FREETUNE_PROFILE_TRACE=folder: the step's Chrome trace, with Python stacks, written there.
+                self.prof = profile(activities=acts, with_stack=bool(os.environ.get("FREETUNE_PROFILE_TRACE")))
                 self.prof.__enter__()
                 if self.cuda:
                     import warnings
@@ -275,6 +291,9 @@ def _step_profiler_class():
                             "kernels": len(kernels), "aten_calls": aten}
             if self.cuda:
                 self.summary["host_syncs"] = dict(sorted(self.syncs.items(), key=lambda kv: -kv[1]))
+            trace_dir = os.environ.get("FREETUNE_PROFILE_TRACE")
+            if trace_dir:
+                self.prof.export_chrome_trace(str(Path(trace_dir) / f"trace-{os.getpid()}-rank{self.rank}.json"))
             averages = self.prof.key_averages()
             print(f"rank {self.rank}: profile of step {state.global_step}: {self.summary}", flush=True)
             sort = "self_device_time_total" if self.cuda else "self_cpu_time_total"
@@ -282,7 +301,7 @@ def _step_profiler_class():
             print(f"rank {self.rank}:\n" + averages.table(sort_by=sort, row_limit=18, max_name_column_width=60),
                   flush=True)
             if self.cuda:
-                print(f"rank {self.rank}:\n" + averages.table(sort_by="self_cpu_time_total", row_limit=12,
+                print(f"rank {self.rank}:\n" + averages.table(sort_by="self_cpu_time_total", row_limit=30,
                                                                 max_name_column_width=60), flush=True)
 
     return StepProfiler
@@ -311,8 +330,8 @@ def run_one(job: dict) -> dict:
     dataset = Dataset.from_dict({"input_ids": rows})
     model = freetune.model.load_base_model(job["model"], plan, local_rank=ctx.local_rank,
                                            memory_cap_gib=job["cap_gib"] if cuda else 0.0)
-    # freetune's recipes' LoRA dropout, unless a variant asks for another (lora_dropout=0: the peer's LoRA)
-    dropout = float(experiments.get("lora_dropout", LORA_DROPOUT))
+    # The mode's recipe's LoRA dropout, unless a variant asks for another (lora_dropout=0: the peer's LoRA)
+    dropout = float(experiments.get("lora_dropout", job["lora_dropout"]))
     model, trainable, _ = freetune.model.attach_lora(model, rank=LORA_RANK, alpha=2 * LORA_RANK, dropout=dropout,
                                                      seed=0)
     total_steps = job["warmup"] + job["steps"]
@@ -563,9 +582,9 @@ def seen_estimate(plan, shape: ModelShape, tokens: int) -> float | None:
 
 def apply_experiments(experiments: dict, shape: ModelShape, local_rank: int) -> None:
     """The experiments a --variants run asks for that change freetune's path itself (before the model loads):
-    cpp_wrapper, dense_head, no_packed_check, pin_cores, byte_masks, fp32_absmax, liger. A GPU worker process runs one
-    configuration, so what they patch is patched for it only (a --tiny run without --spawn runs every job in one
-    process: its patches stay for the runs after it)."""
+    cpp_wrapper, combo_kernels, dense_head, no_packed_check, pin_cores, byte_masks, fp32_absmax, liger. A GPU worker
+    process runs one configuration, so what they patch is patched for it only (a --tiny run without --spawn runs every
+    job in one process: its patches stay for the runs after it)."""
     import torch
 
     if experiments.get("pin_cores"):
@@ -583,6 +602,12 @@ def apply_experiments(experiments: dict, shape: ModelShape, local_rank: int) -> 
         import torch._inductor.config
 
         torch._inductor.config.cpp_wrapper = True
+    if experiments.get("combo_kernels"):
+        # inductor's horizontal fusion: independent small kernels of a graph (a layer's 14 casts of its LoRA weights
+        # to the compute dtype, one launch each in a trace) launched as one
+        import torch._inductor.config
+
+        torch._inductor.config.combo_kernels = True
     # Two host syncs per step that `--profile` finds on the default path, removed at a cost (on a GPU only):
     if experiments.get("dense_head"):
         # TRL's loss head picks the labelled positions with a boolean mask (hidden[mask], labels[mask]: the host
@@ -688,7 +713,7 @@ def launch(job: dict, gpus: list[int], log):
     job_file.write_text(json.dumps({**job, "result": str(result_file)}))
     result_file.unlink(missing_ok=True)  # a warm machine's last result is not this run's
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus)), "PYTHONUNBUFFERED": "1"}
-    if job["precision"] == "fp16":  # the emulated T4 modes
+    if job["precision"] == "fp16" and job.get("t4_cublas_workspace"):  # the emulated T4 modes, when asked
         env.setdefault("CUBLAS_WORKSPACE_CONFIG", T4_CUBLAS_WORKSPACE)
     cwd = None
     if job["run"] in PEER_RUNS:  # in the work folder: Unsloth writes generated code where it runs
@@ -749,15 +774,25 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="extra freetune runs with plan choices changed, ';'-separated 'label:field=value,...' "
                              "(e.g. 'eager:compile=false;peft:lora_kernel=peft,optimizer=paged_adamw_8bit'); also the "
                              "experiments liger=true (Liger's RMSNorm/SwiGLU/RoPE, liger-kernel installed), "
-                             "cpp_wrapper=true (inductor's C++ wrapper), byte_masks=true (dropout masks a byte per "
+                             "cpp_wrapper=true (inductor's C++ wrapper), combo_kernels=true (inductor's horizontal "
+                             "fusion), byte_masks=true (dropout masks a byte per "
                              "element, as before freetune.kernels.pack_mask; with mlp_kernel=layers only), "
                              "fp32_absmax=true (the fused layers' fp32 absmax copy where compiled ones keep 8-bit), "
-                             "lora_dropout=0 (freetune with the peer's LoRA: no dropout; default 0.05), "
+                             "lora_dropout=0 (freetune with the peer's LoRA: no dropout; default: the mode's "
+                             "recipe's), "
                              "dense_head=true and no_packed_check=true (two host syncs per step removed), "
                              "pin_cores=true (apply_experiments) and "
                              "the DDP settings ddp_split=true, "
                              "static_graph=true, bucket_view=true, bucket_mb=N, flat_sync=true (apply_ddp_experiments; "
                              "a variant of only these runs under DDP only). 'label:' alone repeats freetune's runs")
+    parser.add_argument("--t4-cublas-workspace", action="store_true",
+                        help="in the t4 and 4gb modes also the T4's cuBLAS workspace (8 MiB per thread and stream, "
+                             "not the H200's 32): both tools' peaks as on a T4, but every matmul about three times "
+                             "the host time on Hopper (T4_CUBLAS_WORKSPACE)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the single-GPU runs this many times, every other round in reverse order; each "
+                             "run's tokens/s is the median of its rounds (every round's in the report's each_round), "
+                             "its peak memory the highest: the lent host's speed drifts between runs")
     parser.add_argument("--like-for-like", action="store_true",
                         help="one more freetune run per mode with the peer's LoRA dropout (0) and optimizer (8-bit "
                              "AdamW), judged against the mode's target like the default run (LIKE_FOR_LIKE)")
@@ -824,7 +859,7 @@ def make_jobs(args: argparse.Namespace, work: Path, device: str, gpus: int) -> t
 
     tokenizer_dir = build_tokenizer(work / "tokenizer")
     if args.tiny:
-        modes = {"cpu": dict(shape="tiny", cap_gib=0.0, precision="auto")}
+        modes = {"cpu": dict(shape="tiny", cap_gib=0.0, precision="auto", recipe="svg_coder")}
         lengths, max_length, steps = (16, 48), 40, dict(free_tier=(1, 1), plain_best=(1, 1), freetune=(1, 1))
     else:
         modes = {m: MODES[m] for m in args.modes.split(",")}
@@ -860,13 +895,15 @@ def make_jobs(args: argparse.Namespace, work: Path, device: str, gpus: int) -> t
                              model=str(model_dir), tokenizer=str(tokenizer_dir), rows=str(rows_file),
                              model_shape=shape.name,
                              work=str(work), world=1, batching="padding_free" if args.tiny else None,
-                             overrides=overrides, profile=args.profile, logging_steps=every))
+                             overrides=overrides, profile=args.profile, logging_steps=every,
+                             lora_dropout=recipe_default(spec["recipe"], "lora_dropout"),
+                             t4_cublas_workspace=args.t4_cublas_workspace))
     if device == "cuda":
         torch.cuda.empty_cache()
     ddp_jobs = [] if (args.no_ddp or gpus < 2 or "uncapped" not in modes) else [
         {**j, "world": 2} for j in jobs if j["mode"] == "uncapped" and base_run(j["run"]) in ("free_tier", "freetune")]
     # A variant of DDP settings only runs under DDP; its efficiency is against freetune's 1-GPU run.
-    jobs = [j for j in jobs if not ddp_only(j["overrides"])]
+    jobs = in_rounds([j for j in jobs if not ddp_only(j["overrides"])], args.rounds)
     return report, jobs, ddp_jobs
 
 
@@ -878,9 +915,14 @@ class Schedule:
 
     def record(self, result_file: Path, job: dict, rc: int):
         if result_file.exists():
-            self.report["runs"].append(json.loads(result_file.read_text()))
+            result = json.loads(result_file.read_text())
         else:
-            self.report["runs"].append({k: job[k] for k in ("mode", "run", "world")} | {"failed": f"exit {rc}"})
+            result = {k: job[k] for k in ("mode", "run", "world")} | {"failed": f"exit {rc}"}
+        if self.args.rounds > 1:  # every round's run kept apart; "runs" holds their medians (one_per_run)
+            self.report.setdefault("each_round", []).append({**result, "round": job.get("round", 1)})
+            self.report["runs"] = one_per_run(self.report["each_round"])
+        else:
+            self.report["runs"].append(result)
         summarise(self.report)
         self.out.write_text(json.dumps(self.report, indent=1))
 
@@ -947,6 +989,41 @@ class Schedule:
         self.record(result_file, job, proc.returncode)
         print(f"done: DDP {job['mode']}/{job['run']} (exit {proc.returncode}, {time.time() - self.start:.0f} s)",
               flush=True)
+
+
+def in_rounds(jobs: list[dict], rounds: int) -> list[dict]:
+    """The single-GPU jobs `rounds` times over, every other round in reverse (A B, B A, A B, ...): the lent host's speed
+    drifts over minutes, and so no run always goes first or right after a compile-heavy one."""
+    out = []
+    for r in range(1, rounds + 1):
+        out += [{**j, "round": r} for j in (jobs if r % 2 else jobs[::-1])]
+    return out
+
+
+def one_per_run(each_round: list[dict]) -> list[dict]:
+    """One record per (mode, run, processes) over --rounds: the first successful round's, with the median tokens/s of
+    its rounds (each in tokens_per_s_rounds) and the highest peak allocated memory; a run that failed in every
+    round stays failed."""
+    import statistics
+
+    groups: dict = {}
+    for r in each_round:
+        groups.setdefault((r["mode"], r["run"], r.get("world_size", r.get("world"))), []).append(r)
+    out = []
+    for runs in groups.values():
+        done = [r for r in runs if "tokens_per_s" in r]
+        if not done:
+            out.append(runs[0])
+            continue
+        rates = [r["tokens_per_s"] for r in done]
+        peaks = [r["peak_allocated_gib"] for r in done if r.get("peak_allocated_gib") is not None]
+        merged = {**done[0], "tokens_per_s": round(statistics.median(rates), 1), "tokens_per_s_rounds": rates,
+                  "rounds": len(done), "failed_rounds": len(runs) - len(done)}
+        merged.pop("round", None)
+        if peaks:
+            merged["peak_allocated_gib"] = max(peaks)
+        out.append(merged)
+    return out
 
 
 def counts_as_failure(run: dict) -> bool:

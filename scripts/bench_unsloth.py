@@ -31,7 +31,7 @@ The emulated budgets (bench.py's t4 and 4gb modes) hold the peer to what the emu
   are not installed); and SDPA itself is limited to its memory-efficient and math kernels (t4_kernels), which a T4
   runs, instead of the FlashAttention kernel it would pick on the H200. Its other compute-capability tests choose bf16-only Triton paths (unused in fp16) or tuning
   knobs of kernels Triton compiles for the GPU it runs on; freetune's runs get the H200's kernels there too;
-- cuBLAS's workspace: the T4's size (bench.py sets CUBLAS_WORKSPACE_CONFIG for both tools' workers).
+- cuBLAS's workspace: the T4's size with bench.py --t4-cublas-workspace (CUBLAS_WORKSPACE_CONFIG, both tools' workers).
 Which attention it used is read off the library after the run (attention_used), not assumed.
 """
 

@@ -90,6 +90,49 @@ def test_each_ddp_run_follows_its_own_1gpu_run_and_ddp_settings_run_under_ddp_on
     assert bench.run_order(single, []) == [("1 GPU", j) for j in single]
 
 
+def test_rounds_alternate_the_order_and_each_run_reports_its_median_rate_and_highest_peak(tmp_path):
+    """--rounds N: the lent host's speed drifts over minutes, so every run is measured N times, every other round in
+    reverse (no run always first), and compared on its median tokens/s; its peak memory is the highest seen."""
+    bench = load_bench()
+    jobs = [{"mode": "4gb", "run": "freetune"}, {"mode": "4gb", "run": "unsloth"}]
+    order = [(j["round"], j["run"]) for j in bench.in_rounds(jobs, 3)]
+    assert order == [(1, "freetune"), (1, "unsloth"), (2, "unsloth"), (2, "freetune"), (3, "freetune"),
+                     (3, "unsloth")]
+    assert bench.in_rounds(jobs, 1) == [{**j, "round": 1} for j in jobs]
+
+    def run(name, rate, peak, rnd):
+        return {"mode": "4gb", "run": name, "world_size": 1, "tokens_per_s": rate, "peak_allocated_gib": peak,
+                "round": rnd}
+
+    each = [run("freetune", 100.0, 1.30, 1), run("unsloth", 90.0, 1.35, 1), run("unsloth", 60.0, 1.35, 2),
+            run("freetune", 160.0, 1.31, 2), run("freetune", 120.0, 1.30, 3),
+            {"mode": "4gb", "run": "unsloth", "world": 1, "failed": "exit 1", "round": 3}]
+    merged = {r["run"]: r for r in bench.one_per_run(each)}
+    assert merged["freetune"]["tokens_per_s"] == 120.0 and merged["freetune"]["tokens_per_s_rounds"] == [
+        100.0, 160.0, 120.0]
+    assert merged["freetune"]["peak_allocated_gib"] == 1.31 and "round" not in merged["freetune"]
+    assert merged["unsloth"]["tokens_per_s"] == 75.0 and merged["unsloth"]["failed_rounds"] == 1
+    # The targets read the medians: 120 / 75 = 1.6x at a peak of 1.31 against 1.35 GiB.
+    targets = bench.peer_targets(list(merged.values()))
+    assert targets[0]["met"] is True and "1.60x" in targets[0]["detail"]
+    # Each mode's freetune run trains with its recipe's LoRA dropout (4gb: tiny_4gb's; the others: svg_coder's).
+    assert bench.recipe_default("tiny_4gb", "lora_dropout") == 0.0
+    assert bench.recipe_default("svg_coder", "lora_dropout") == 0.05
+    assert {m: spec["recipe"] for m, spec in bench.MODES.items()} == {
+        "uncapped": "svg_coder", "t4": "svg_coder", "4gb": "tiny_4gb"}
+    # End to end on a CPU: two rounds of the tiny freetune run, both kept, one median in the table's run.
+    out = tmp_path / "rounds.json"
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--tiny", "--work", str(tmp_path),
+                           "--out", str(out), "--runs", "freetune", "--rounds", "2"],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert [r["round"] for r in report["each_round"]] == [1, 2]
+    (only,) = report["runs"]
+    rates = [r["tokens_per_s"] for r in report["each_round"]]
+    assert only["tokens_per_s_rounds"] == rates and only["tokens_per_s"] == round(sum(rates) / 2, 1)
+
+
 def test_a_merged_ddp_run_is_dropped_when_this_call_measured_its_1gpu_run_again():
     """--merge adds an earlier call's runs; a DDP efficiency must divide rates of one call (the lent host's speed
     changes between calls), so an old DDP run whose 1-GPU run was measured again here is left out; a DDP run

@@ -275,3 +275,26 @@ def test_for_world_re_decides_the_sampler_and_counts_the_ranks_of_every_host():
         "2 hosts x 2 process(es) = 4 ranks through torchrun's c10d rendezvous; ")
     assert one.sampler != "rank_balanced" and one.world_size == 1  # a copy: the notebook's plan stays as shown
     assert preflight.for_world(one, 1).sampler == one.sampler
+
+
+def test_input_embeddings_go_to_host_ram_only_where_memory_is_tight_and_the_head_is_a_weight_of_its_own():
+    """A 4 GB card with TinyLlama (every layer checkpointed, an untied head): the embedding table waits in host RAM and
+    the estimate counts it off the GPU; a roomy card, a tied head (Qwen2.5), DDP and a CPU run keep it where it is."""
+    from freetune.memory import embedding_bytes, estimate
+
+    shape = KNOWN_SHAPES["tinyllama-1.1b"]
+    tight = make_plan(H100, model_shape=shape, memory_budget_gib=4.0, grad_accum=8, precision="fp16")
+    assert tight.gradient_checkpointing and tight.checkpoint_every == 1 and tight.embeddings_on_host
+    assert "125 MiB off the GPU" in tight.reasons["embeddings"] and "host RAM" in tight.table()
+    settings = {k: v for k, v in tight.memory.settings.items() if k not in ("model", "max_length", "micro_batch")}
+    kept = estimate(shape, max_length=1024, micro_batch=tight.micro_batch, **{**settings, "embeddings_on_host": False})
+    assert kept.other_weights_gib - tight.memory.other_weights_gib == pytest.approx(
+        embedding_bytes(shape, "float16") / 2**30)
+    roomy = make_plan(H100, model_shape=shape, grad_accum=8)
+    assert not roomy.embeddings_on_host and "memory to spare" in roomy.reasons["embeddings"]
+    tied = make_plan(H100, model_shape="qwen2.5-1.5b", memory_budget_gib=4.0, grad_accum=8, precision="fp16")
+    assert tied.checkpoint_every == 1 and not tied.embeddings_on_host and "shares" in tied.reasons["embeddings"]
+    two = make_plan(machine("Tesla T4", (7, 5), 4.0, bf16=False, count=2), model_shape=shape, grad_accum=8)
+    assert two.layout == "ddp" and not two.embeddings_on_host
+    cpu = make_plan(Hardware(ram_total_gib=16.0, ram_available_gib=12.0), model_shape=shape)
+    assert not cpu.embeddings_on_host

@@ -1,0 +1,103 @@
+"""The input embeddings in host RAM while training, where GPU memory is tight.
+
+Why: the input embedding table is a frozen weight that a step only reads a few thousand rows of (one per token).
+On a 4 GB card every megabyte counts: TinyLlama's table is 125 MiB in fp16, as much as a quarter of the 4-bit decoder
+layers; Qwen3-8B's is 1.16 GiB. Kept in host RAM, each micro-batch's token ids are looked up there and only the rows
+they select (tokens x hidden, 29 MiB for 7,000 tokens of TinyLlama) are copied to the GPU, from pinned memory, so the
+copy runs alongside the GPU's work. Unsloth does the same under memory pressure.
+
+Where the plan does it (freetune.choices.choose_embeddings): one GPU, every layer checkpointed, and an lm_head that is
+a weight of its own (a tied head would need the table on the GPU for the loss anyway). freetune.train moves the table
+to the host when training begins (`at_train_begin`: after accelerate's prepare, which moves every parameter of a
+model loaded on one device back to it) and back afterwards (`to_gpu`), so generation, evaluation after training and
+export see the model as loaded.
+"""
+
+from __future__ import annotations
+
+HOME_ATTR = "_freetune_embeddings_home"  # on the embedding module: the GPU its output goes to while on the host
+
+
+def to_host(model) -> int:
+    """Move `model`'s input embedding table to pinned host memory and make its forward look tokens up there, with the
+    rows copied to the GPU it came from. Returns the bytes freed on the GPU (0 where nothing moved: no CUDA weight, a
+    table the output head shares, a max_norm embedding, or already on the host)."""
+    import torch
+
+    embedding = model.get_input_embeddings()
+    weight = getattr(embedding, "weight", None)
+    if (weight is None or weight.device.type != "cuda" or getattr(embedding, HOME_ATTR, None) is not None
+            or getattr(embedding, "max_norm", None) is not None or _shares_head(model, weight)):
+        return 0
+    home = weight.device
+    weight.data = weight.data.to("cpu").pin_memory()
+    attach(embedding, home)
+    torch.cuda.empty_cache()
+    return weight.numel() * weight.element_size()
+
+
+def at_train_begin():
+    """A TrainerCallback that moves the table to the host when training begins (to_host) and says so."""
+    from transformers import TrainerCallback
+
+    from freetune.distributed import print0
+
+    class EmbeddingsToHost(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            moved = to_host(model)
+            if moved:
+                print0(f"Input embeddings: in host RAM while training, {moved / 2**20:,.0f} MiB off the GPU "
+                       f"(freetune.host_embeddings).")
+
+    return EmbeddingsToHost()
+
+
+def to_gpu(model) -> bool:
+    """Undo `to_host`: the table back on its GPU, the module's own forward again. Returns whether anything moved."""
+    embedding = model.get_input_embeddings()
+    home = getattr(embedding, HOME_ATTR, None)
+    if home is None:
+        return False
+    embedding.weight.data = embedding.weight.data.to(home)
+    detach(embedding)
+    return True
+
+
+def attach(embedding, home) -> None:
+    """Give an embedding module whose table is on the host the forward that looks up there and returns the rows on
+    `home` (the GPU the decoder runs on). Split from to_host so that a CPU test can run the same forward."""
+    from freetune import overrides
+
+    setattr(embedding, HOME_ATTR, home)
+    overrides.replace_forward(embedding, _host_forward)
+
+
+def detach(embedding) -> None:
+    from freetune import overrides
+
+    overrides.restore_forward(embedding)
+    delattr(embedding, HOME_ATTR)
+
+
+def _host_forward(self, ids):
+    """nn.Embedding's forward for a table in host memory (frozen, no max_norm: padding_idx only matters to its
+    gradient): the rows gathered on the host into a pinned buffer, then copied to the decoder's GPU without waiting.
+    The ids' copy to the host waits for the GPU (it made them): once per micro-batch."""
+    import torch
+
+    home = getattr(self, HOME_ATTR)
+    if self.weight.device.type != "cpu":  # moved back by someone else (a model.to(...)): the usual lookup there
+        return type(self).forward(self, ids)
+    flat = ids.reshape(-1).to("cpu")
+    pinned = self.weight.is_pinned()
+    rows = torch.empty((flat.numel(), self.weight.shape[1]), dtype=self.weight.dtype, pin_memory=pinned)
+    torch.index_select(self.weight, 0, flat, out=rows)
+    # From pinned memory the copy is queued on the GPU's stream and the host goes on; the caching host allocator keeps
+    # the buffer until that copy has run.
+    return rows.view(*ids.shape, -1).to(home, non_blocking=pinned)
+
+
+def _shares_head(model, weight) -> bool:
+    head = model.get_output_embeddings()
+    head_weight = getattr(head, "weight", None)
+    return head_weight is not None and head_weight.data_ptr() == weight.data_ptr()
