@@ -295,7 +295,7 @@ def choose_embeddings(shape, common: dict, layout: str) -> tuple[bool, str]:
     size = embedding_bytes(shape, common.get("frozen_dtype", "float32")) / 2**20
     tight = common.get("gradient_checkpointing") and common.get("checkpoint_every", 1) == 1
     if common.get("device") != "cuda":
-        return False, "with the rest of the model"
+        return False, "a CPU run: the whole model is in host RAM already"
     if shape.tied_embeddings:
         return False, f"on the GPU: the lm_head shares the table ({size:,.0f} MiB), and the loss needs it there"
     if layout != "single":
