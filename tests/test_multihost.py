@@ -187,10 +187,11 @@ def test_fsdp_loads_once_shards_the_4bit_model_and_trains_like_one_process(tmp_p
     one = json.loads((tmp_path / "plain-rank0.json").read_text())
     assert sorted(r["rank"] for r in ranks) == [0, 1]
     # One copy of the weights in host memory: rank 0 read and quantised them, rank 1 built the same modules
-    # without reading them (its parameters got rank 0's values by broadcast, after loading).
+    # without reading them (its parameters got rank 0's values by broadcast, after loading). Rank 1's own growth while
+    # loading (modules imported, allocator arenas) measured up to 23 MiB on a 2-core CI machine, of 153 MiB of weights.
     weights_mib = one["total"] * 4 / 2**20
     assert ranks[0]["load_rss_mib"] > 0.6 * weights_mib, ranks
-    assert ranks[1]["load_rss_mib"] < 0.15 * weights_mib, ranks
+    assert ranks[1]["load_rss_mib"] < 0.25 * weights_mib, ranks
     # 4-bit weights stored in the compute dtype (FSDP shards floating point only); each rank holds half.
     assert fsdp["quantized"] == {"Params4bit": "torch.float32"} and one["quantized"] == {"Params4bit": "torch.uint8"}
     assert all(r["held"] <= 0.55 * r["total"] for r in ranks), ranks
