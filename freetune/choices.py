@@ -249,6 +249,11 @@ def choose_lora_kernel(device: str, layout: str) -> tuple[str, str]:
                      "small model is bound by kernel launches, not by the GPU's arithmetic")
 
 
+def every_layer_checkpointed(common: dict) -> bool:
+    """Whether the sizing settings checkpoint every decoder layer: the plan's sign that memory is tight."""
+    return bool(common.get("gradient_checkpointing")) and common.get("checkpoint_every", 1) == 1
+
+
 def choose_mlp_kernel(shape, budget_gib: float, max_length: int, common: dict) -> tuple[str, str]:
     """(MLP kernel, why), where every layer is checkpointed (memory is tight): "traced" (freetune.fused_mlp: the SwiGLU
     MLP as one autograd node in the compiled layer; its backward recomputes gate and up, two more 4-bit matmuls per
@@ -261,7 +266,7 @@ def choose_mlp_kernel(shape, budget_gib: float, max_length: int, common: dict) -
     if common.get("lora_kernel") != "fused":
         return "layers", ("each projection on its own, as peft runs it (the fused MLP is for GPU runs, over "
                           "fused LoRA layers)")
-    if not common.get("gradient_checkpointing") or common.get("checkpoint_every", 1) > 1:
+    if not every_layer_checkpointed(common):
         return "layers", "not every layer is checkpointed: there is memory to spare"
     settings = {**common, "mlp_kernel": "traced"}
     one_row = estimate(shape, max_length=max_length, micro_batch=1, **settings)
@@ -282,8 +287,8 @@ TIGHT_LOSS_TILE_TOKENS = 1024
 
 def choose_loss_tile(common: dict) -> tuple[int, str]:
     """(tokens per tile of TRL's chunked loss head, 0 for TRL's own; why)."""
-    tight = common.get("gradient_checkpointing") and common.get("checkpoint_every", 1) == 1
-    if common.get("device") != "cuda" or common.get("loss_head", "chunked") != "chunked" or not tight:
+    if (common.get("device") != "cuda" or common.get("loss_head", "chunked") != "chunked"
+            or not every_layer_checkpointed(common)):
         return 0, f"TRL's {TILE_TOKENS:,} tokens per tile"
     return TIGHT_LOSS_TILE_TOKENS, (f"{TIGHT_LOSS_TILE_TOKENS:,} tokens per tile, not TRL's {TILE_TOKENS:,}: every "
                                     f"layer is checkpointed, and a tile of logits is a real share of the memory")
@@ -293,14 +298,13 @@ def choose_embeddings(shape, common: dict, layout: str) -> tuple[bool, str]:
     """(keep the input embedding table in host RAM?, why): on one GPU where every layer is checkpointed (memory is
     tight), unless the lm_head shares the table (freetune.host_embeddings)."""
     size = embedding_bytes(shape, common.get("frozen_dtype", "float32")) / 2**20
-    tight = common.get("gradient_checkpointing") and common.get("checkpoint_every", 1) == 1
     if common.get("device") != "cuda":
         return False, "a CPU run: the whole model is in host RAM already"
     if shape.tied_embeddings:
         return False, f"on the GPU: the lm_head shares the table ({size:,.0f} MiB), and the loss needs it there"
     if layout != "single":
         return False, "on the GPUs: DDP and FSDP keep every weight of the model on each rank's GPU"
-    if not tight:
+    if not every_layer_checkpointed(common):
         return False, f"on the GPU ({size:,.0f} MiB): not every layer is checkpointed, there is memory to spare"
     return True, (f"in host RAM, {size:,.0f} MiB off the GPU: each micro-batch's tokens are looked up there and only "
                   f"their rows copied to the GPU (the lm_head is a weight of its own and stays)")

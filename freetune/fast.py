@@ -142,8 +142,8 @@ def _efficient_op():
         groups = q.shape[1] // k.shape[1]
         outs, lses = [], []
         for qs, ks in parts(q, k):
-            # q's heads of this part as a view, not a copy: the kernel reads the token and head strides it is given
-            # (only the last dimension must be contiguous); every copy is a launch on a launch-bound step.
+            # q's heads of this part as a view, not a copy: the forward kernel reads the strides it is given (the
+            # own-logits GPU test checks it); every copy is a launch on a launch-bound step.
             qp, kp, vp = q[:, qs], repeated(k[:, ks], groups), repeated(v[:, ks], groups)
             # (1, tokens, heads, dim), as the kernel takes batches; custom_mask_type 1: causal from each row's start.
             # The logsumexp is what the backward needs; the dropout seeds are not (no dropout in attention).

@@ -73,6 +73,7 @@ def attach(embedding, home) -> None:
 
 
 def detach(embedding) -> None:
+    """Undo `attach`: the module's own forward again (the table stays where it is)."""
     from freetune import overrides
 
     overrides.restore_forward(embedding)
@@ -85,9 +86,9 @@ def _host_forward(self, ids):
     The ids' copy to the host waits for the GPU (it made them): once per micro-batch."""
     import torch
 
-    home = getattr(self, HOME_ATTR)
     if self.weight.device.type != "cpu":  # moved back by someone else (a model.to(...)): the usual lookup there
         return type(self).forward(self, ids)
+    home = getattr(self, HOME_ATTR)
     flat = ids.reshape(-1).to("cpu")
     pinned = self.weight.is_pinned()
     rows = torch.empty((flat.numel(), self.weight.shape[1]), dtype=self.weight.dtype, pin_memory=pinned)
