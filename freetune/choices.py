@@ -352,7 +352,7 @@ def choose_batching(policy: str, gpus_capability: list[tuple[int, int]], micro_b
         ok, why = varlen_works(this_gpu(), policy)
         if ok:
             kernel = ("the memory-efficient variable-length attention kernel, which a T4 (sm75) runs too,"
-                      if varlen_backend(this_gpu()) == "efficient" else "variable-length FlashAttention")
+                      if varlen_backend(this_gpu()).startswith("efficient") else "variable-length FlashAttention")
             return ("padding_free", VARLEN_ATTENTION,
                     f"rows concatenated (padded to a multiple of 8 tokens only); {kernel} keeps them apart ({why})")
         return ("grouped", "", f"padded batches of similar length, little padding (no padding-free kernel: {why})")

@@ -67,14 +67,16 @@ def _varlen_fn():
 #                   call (a graph built per new set of lengths), and it needs k and v repeated for GQA. sm80+;
 #   "efficient"     torch.ops.aten._efficient_attention_forward with the same cumulative lengths: the memory-efficient
 #                   (xformers/CUTLASS) kernel PyTorch builds for sm50 and newer, so the one a T4 (sm75) can run;
-#                   causal inside each row, nothing across rows. It takes equal head counts: k and v are repeated
-#                   for grouped-query attention (a copy of each per layer, small next to the MLP's activations).
-VARLEN_BACKENDS = ("flash", "torch_varlen", "efficient")
+#                   causal inside each row, nothing across rows. It takes equal head counts: grouped-query heads are
+#                   handled a kv head at a time (_efficient_op);
+#   "efficient_copied"  the same kernel, with the heads copied into parts (_efficient_op): the fallback.
+VARLEN_BACKENDS = ("flash", "torch_varlen", "efficient", "efficient_copied")
 # What each precision policy may use: a T4 (Turing, sm75) has no FlashAttention-2 kernel in PyTorch, and the T4
 # emulation on a bigger GPU holds to what a T4 can run.
-POLICY_BACKENDS = {"ampere": VARLEN_BACKENDS, "turing": ("efficient",)}
+POLICY_BACKENDS = {"ampere": VARLEN_BACKENDS, "turing": ("efficient", "efficient_copied")}
 VARLEN_KERNEL_NAMES = {"flash": "FlashAttention-2", "torch_varlen": "varlen_attn",
-                       "efficient": "memory-efficient (sm50+, a T4 included)"}
+                       "efficient": "memory-efficient (sm50+, a T4 included)",
+                       "efficient_copied": "memory-efficient (sm50+, a T4 included; heads copied per part)"}
 
 
 def _varlen_call(q, k, v, cu_seq, max_len: int, scale, backend: str = "flash"):
@@ -84,8 +86,8 @@ def _varlen_call(q, k, v, cu_seq, max_len: int, scale, backend: str = "flash"):
     if backend == "flash":
         return torch.ops.aten._flash_attention_forward(q, k, v, cu_seq, cu_seq, max_len, max_len, 0.0, True, False,
                                                        scale=scale)[0]
-    if backend == "efficient":
-        return _efficient_op()(q, k, v, cu_seq, max_len, scale)
+    if backend in ("efficient", "efficient_copied"):
+        return _efficient_op()(q, k, v, cu_seq, max_len, scale, backend == "efficient")
     fn, params = _VARLEN["fn"], _VARLEN["params"]  # set by the probe, which ran before any call of this backend
     kwargs = {}
     if "is_causal" in params:       # torch 2.10/2.11
@@ -103,48 +105,60 @@ def _varlen_call(q, k, v, cu_seq, max_len: int, scale, backend: str = "flash"):
     return fn(q, k, v, cu_seq, cu_seq, max_len, max_len, **kwargs)
 
 
-# Grouped-query attention through the memory-efficient kernel (one kv head per q head): the kv heads are repeated, and
-# the backward's gradients come per q head, for up to this many parts of the heads one after another rather than all
-# at once. All at once, the repeated k and v and their gradients were the largest tensors alive at a 4 GiB card's peak
-# (a memory snapshot on the GPU, docs/performance.md); a part at a time they are 1/4 of that, for 4 kernel calls.
+# Grouped-query attention through the memory-efficient kernel, which takes equal head counts. Two layouts, checked
+# against sdpa in this order by `varlen_works` (the probe picks the first that agrees on this GPU):
+#   "efficient"         one kernel call per kv head with its q heads: q read as a head-slice view, k and v as a
+#                       stride-0 view repeated for the q heads (no copy); the backward copies only what its kernel
+#                       cannot read strided (the output slice: the kernel takes its row stride as heads x dim; the
+#                       incoming gradient, copied inside the aten op) and sums the repeated heads' gradients straight
+#                       into the kv heads' slices.
+#   "efficient_copied"  the layout before it: up to KV_HEAD_PARTS parts of whole kv heads, k and v repeated into
+#                       copies, q, the gradient and the output copied per part. More launches a step (seven copies per
+#                       part in the backward, docs/performance.md), kept as the proven fallback.
+# Either way a part of the heads at a time, not all at once: all at once, the repeated k and v and their gradients
+# were the largest tensors alive at a 4 GiB card's peak (a memory snapshot on the GPU, docs/performance.md).
 KV_HEAD_PARTS = 4
 
 _EFFICIENT: dict = {}  # "op": the freetune::varlen_efficient custom op, defined once per process
 
 
 def _efficient_op():
-    """freetune::varlen_efficient(q, k, v, cu_seq, max_len, scale): causal attention within each row through PyTorch's
-    memory-efficient kernel (aten._efficient_attention_forward / _backward with cumulative row lengths), as a custom op
-    with its own autograd. Why not the aten ops directly: their backward's meta function (torch 2.11 and 2.13) takes
-    its arguments shifted by one ("got multiple values for argument 'scale'"), so a compiled decoder layer that calls
-    them falls back to eager as a whole; a custom op stays one node of the layer's graph, its shapes given here.
-    Grouped-query heads are repeated inside the op, so that only the unrepeated k and v are saved for the backward, and
-    a part of the heads at a time (KV_HEAD_PARTS)."""
+    """freetune::varlen_efficient(q, k, v, cu_seq, max_len, scale, strided): causal attention within each row through
+    PyTorch's memory-efficient kernel (aten._efficient_attention_forward / _backward with cumulative row lengths), as a
+    custom op with its own autograd; `strided` picks the "efficient" layout, else "efficient_copied" (above). Why not
+    the aten ops directly: their backward's meta function (torch 2.11 and 2.13) takes its arguments shifted by one ("got
+    multiple values for argument 'scale'"), so a compiled decoder layer that calls them falls back to eager as a whole;
+    a custom op stays one node of the layer's graph, its shapes given here. Grouped-query heads are repeated inside the
+    op, so that only the unrepeated k and v are saved for the backward."""
     if "op" in _EFFICIENT:
         return _EFFICIENT["op"]
     import torch
 
-    def parts(q, k):
-        """(q, k, v) head slices for one kernel call each: all heads at once without grouped-query attention; with it,
-        up to KV_HEAD_PARTS parts of whole kv heads and their q heads (see KV_HEAD_PARTS)."""
+    def parts(q, k, strided: bool):
+        """(q heads, kv heads) slices, one kernel call each: all heads at once without grouped-query attention; with
+        it, one kv head per part (strided) or up to KV_HEAD_PARTS parts of whole kv heads."""
         groups = q.shape[1] // k.shape[1]
         if groups == 1:
             return [(slice(None), slice(None))]
-        count = max(c for c in range(1, min(KV_HEAD_PARTS, k.shape[1]) + 1) if k.shape[1] % c == 0)
+        count = k.shape[1] if strided else max(
+            c for c in range(1, min(KV_HEAD_PARTS, k.shape[1]) + 1) if k.shape[1] % c == 0)
         per = k.shape[1] // count
         return [(slice(i * per * groups, (i + 1) * per * groups), slice(i * per, (i + 1) * per)) for i in range(count)]
 
-    def repeated(t, groups: int):
-        """k or v (tokens, kv heads, dim) with each head repeated for the `groups` q heads that read it."""
-        return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+    def repeated(t, groups: int, strided: bool):
+        """k or v (tokens, kv heads, dim) with each head repeated for the `groups` q heads that read it: a stride-0
+        view of one kv head (strided), else a copy."""
+        if groups == 1:
+            return t
+        return t.expand(-1, groups, -1) if strided else t.repeat_interleave(groups, dim=1)
 
-    def forward_4d(q, k, v, cu, max_len, scale):
+    def forward_4d(q, k, v, cu, max_len, scale, strided):
         groups = q.shape[1] // k.shape[1]
         outs, lses = [], []
-        for qs, ks in parts(q, k):
+        for qs, ks in parts(q, k, strided):
             # q's heads of this part as a view, not a copy: the forward kernel reads the strides it is given (the
             # own-logits GPU test checks it); every copy is a launch on a launch-bound step.
-            qp, kp, vp = q[:, qs], repeated(k[:, ks], groups), repeated(v[:, ks], groups)
+            qp, kp, vp = q[:, qs], repeated(k[:, ks], groups, strided), repeated(v[:, ks], groups, strided)
             # (1, tokens, heads, dim), as the kernel takes batches; custom_mask_type 1: causal from each row's start.
             # The logsumexp is what the backward needs; the dropout seeds are not (no dropout in attention).
             out, lse = torch.ops.aten._efficient_attention_forward(qp[None], kp[None], vp[None], None, cu, cu,
@@ -157,17 +171,17 @@ def _efficient_op():
 
     # Schemas spelled out: this module's annotations are strings (from __future__ import annotations).
     @torch.library.custom_op("freetune::varlen_efficient", mutates_args=(),
-                             schema="(Tensor q, Tensor k, Tensor v, Tensor cu, SymInt max_len, float? scale) "
-                                    "-> (Tensor, Tensor)")
-    def op(q, k, v, cu, max_len, scale):
-        return forward_4d(q, k, v, cu, max_len, scale)
+                             schema="(Tensor q, Tensor k, Tensor v, Tensor cu, SymInt max_len, float? scale, "
+                                    "bool strided) -> (Tensor, Tensor)")
+    def op(q, k, v, cu, max_len, scale, strided):
+        return forward_4d(q, k, v, cu, max_len, scale, strided)
 
     op.register_fake(forward_4d)  # the forward's own meta function gives the shapes, the logsumexp's included
 
     @torch.library.custom_op("freetune::varlen_efficient_backward", mutates_args=(),
                              schema="(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu, "
-                                    "SymInt max_len, float? scale) -> (Tensor, Tensor, Tensor)")
-    def backward_op(grad, q, k, v, out, lse, cu, max_len, scale):
+                                    "SymInt max_len, float? scale, bool strided) -> (Tensor, Tensor, Tensor)")
+    def backward_op(grad, q, k, v, out, lse, cu, max_len, scale, strided):
         unused = torch.empty((), dtype=torch.long)  # dropout's seed and offset, read only when dropout_p > 0
         grad = grad.contiguous()
         if q.shape[1] == k.shape[1]:
@@ -176,37 +190,43 @@ def _efficient_op():
                 unused, 1, False, scale=scale)
             return dq[0].contiguous(), dk[0].contiguous(), dv[0].contiguous()
         groups = q.shape[1] // k.shape[1]
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        for qs, ks in parts(q, k):
-            # Contiguous copies here, unlike the forward: with head-slice views of grad, q and out the kernel's
-            # gradients came out wrong (the own-logits GPU test, torch 2.11 on an H200).
-            qp = q[:, qs].contiguous()
-            kp, vp = repeated(k[:, ks], groups), repeated(v[:, ks], groups)
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        dqs = []
+        for qs, ks in parts(q, k, strided):
+            kp, vp = repeated(k[:, ks], groups, strided), repeated(v[:, ks], groups, strided)
+            if strided:
+                # The kernel reads q's strides; the incoming gradient the aten op copies itself; the output's row
+                # stride the kernel takes as heads x dim (o_strideM in PyTorch's kernel_backward.h), so that slice is
+                # copied. (Views of all three gave wrong gradients on the GPU: gpu_tests_strided_backward_failed.log.)
+                qp, gp, outp, lp = q[:, qs], grad[:, qs], out[:, qs].contiguous(), lse[:, qs]
+            else:
+                qp, gp, outp, lp = (q[:, qs].contiguous(), grad[:, qs].contiguous(), out[:, qs].contiguous(),
+                                   lse[:, qs].contiguous())
             dqp, dkp, dvp, _ = torch.ops.aten._efficient_attention_backward(
-                grad[:, qs].contiguous()[None], qp[None], kp[None], vp[None], None, out[:, qs].contiguous()[None], cu,
-                cu, max_len, max_len, lse[:, qs].contiguous(), 0.0, unused, unused, 1, False, scale=scale)
-            dq[:, qs] = dqp[0]
-            # the repeated heads' gradients summed back onto each key/value head
-            dk[:, ks] = dkp[0].unflatten(1, (-1, groups)).sum(2)
-            dv[:, ks] = dvp[0].unflatten(1, (-1, groups)).sum(2)
-        return dq, dk, dv
+                gp[None], qp[None], kp[None], vp[None], None, outp[None], cu, cu, max_len, max_len, lp, 0.0, unused,
+                unused, 1, False, scale=scale)
+            dqs.append(dqp[0])
+            # the repeated heads' gradients summed back onto each key/value head, written in place
+            torch.sum(dkp[0].unflatten(1, (-1, groups)), dim=2, out=dk[:, ks])
+            torch.sum(dvp[0].unflatten(1, (-1, groups)), dim=2, out=dv[:, ks])
+        return torch.cat(dqs, dim=1), dk, dv
 
     @backward_op.register_fake
-    def _(grad, q, k, v, out, lse, cu, max_len, scale):
+    def _(grad, q, k, v, out, lse, cu, max_len, scale, strided):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
     def setup_context(ctx, inputs, output):
-        q, k, v, cu, max_len, scale = inputs
+        q, k, v, cu, max_len, scale, strided = inputs
         ctx.save_for_backward(q, k, v, *output, cu)
-        ctx.max_len, ctx.scale = max_len, scale
+        ctx.max_len, ctx.scale, ctx.strided = max_len, scale, strided
 
     def backward(ctx, grad, _lse_grad):
         q, k, v, out, lse, cu = ctx.saved_tensors
-        dq, dk, dv = backward_op(grad, q, k, v, out, lse, cu, ctx.max_len, ctx.scale)
-        return dq, dk, dv, None, None, None
+        dq, dk, dv = backward_op(grad, q, k, v, out, lse, cu, ctx.max_len, ctx.scale, ctx.strided)
+        return dq, dk, dv, None, None, None, None
 
     op.register_autograd(backward, setup_context=setup_context)
-    _EFFICIENT["op"] = lambda q, k, v, cu, max_len, scale: op(q, k, v, cu, max_len, scale)[0]
+    _EFFICIENT["op"] = lambda q, k, v, cu, max_len, scale, strided=True: op(q, k, v, cu, max_len, scale, strided)[0]
     return _EFFICIENT["op"]
 
 
@@ -328,7 +348,7 @@ def _probe(device_index: int, backends: tuple = VARLEN_BACKENDS) -> tuple[str, s
     major, minor = torch.cuda.get_device_capability(device_index)
     failures = []
     for backend in backends:
-        if backend != "efficient" and major < 8:
+        if not backend.startswith("efficient") and major < 8:
             failures.append(f"{backend}: sm_{major}{minor}, PyTorch builds it for sm80+")
             continue
         if backend == "torch_varlen" and _varlen_fn() is None:
@@ -342,7 +362,7 @@ def _probe(device_index: int, backends: tuple = VARLEN_BACKENDS) -> tuple[str, s
 
 
 def _check_against_sdpa(device_index: int, backend: str) -> str:
-    """'' when `backend` agrees with sdpa on two packed rows (output, dq, dk), else what went wrong."""
+    """'' when `backend` agrees with sdpa on two packed rows (output, dq, dk, dv), else what went wrong."""
     import torch
 
     try:
@@ -350,7 +370,8 @@ def _check_against_sdpa(device_index: int, backend: str) -> str:
         gen = torch.Generator(device=device).manual_seed(0)
         lengths, heads, kv_heads, dim = [37, 91], 4, 2, 64
         total = sum(lengths)
-        dtype = torch.bfloat16 if backend != "efficient" and torch.cuda.is_bf16_supported() else torch.float16
+        bf16 = not backend.startswith("efficient") and torch.cuda.is_bf16_supported()
+        dtype = torch.bfloat16 if bf16 else torch.float16
         # The model hands over (1, heads, tokens, dim) views; probe the same layout.
         q = torch.randn(1, heads, total, dim, device=device, dtype=dtype, generator=gen).requires_grad_()
         k = torch.randn(1, kv_heads, total, dim, device=device, dtype=dtype, generator=gen).requires_grad_()
@@ -359,7 +380,7 @@ def _check_against_sdpa(device_index: int, backend: str) -> str:
         out = _varlen_call(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, max(lengths),
                            dim ** -0.5, backend)
         out.float().square().sum().backward()
-        got = (out.detach().float(), q.grad.float(), k.grad.float())
+        got = (out.detach().float(), q.grad.float(), k.grad.float(), v.grad.float())
         q.grad = k.grad = v.grad = None
         refs = []
         for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
@@ -369,8 +390,8 @@ def _check_against_sdpa(device_index: int, backend: str) -> str:
                 q[:, :, start:end], kk, vv, is_causal=True).transpose(1, 2)[0])
         ref = torch.cat(refs, dim=0)
         ref.float().square().sum().backward()
-        want = (ref.detach().float(), q.grad.float(), k.grad.float())
-        for name, a, b in zip(("output", "dq", "dk"), got, want):
+        want = (ref.detach().float(), q.grad.float(), k.grad.float(), v.grad.float())
+        for name, a, b in zip(("output", "dq", "dk", "dv"), got, want):
             err = (a - b).abs().max().item() / max(b.abs().max().item(), 1e-6)
             if err > 2e-2:
                 return f"disagrees with sdpa ({name} relative error {err:.3f})"

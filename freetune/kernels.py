@@ -30,6 +30,9 @@ from freetune import bnb_cpu, overrides
 from freetune.overrides import fusable
 
 FUSED_ATTR = "_freetune_fused_lora"
+# On a fused layer during one training forward and its backward: its LoRA (A, B) already in the compute dtype
+# (cast_adapters_once_per_forward).
+ADAPTER_16BIT_ATTR = "_freetune_lora_16bit"
 
 
 # bitsandbytes' block size for a double-quantised weight's absmax values (QuantState.state2.blocksize).
@@ -296,9 +299,11 @@ def fused_call_args(layer, x) -> dict | None:
         return None
     name = layer.active_adapters[0]
     dropout = layer.lora_dropout[name]
+    cast = getattr(layer, ADAPTER_16BIT_ATTR, None)
+    lora_a, lora_b = cast if cast is not None else (layer.lora_A[name].weight, layer.lora_B[name].weight)
     return dict(weight=packed, absmax=layer._freetune_absmax, table=layer._freetune_absmax_table,
                 spec=layer._freetune_spec, bias=layer.base_layer.bias,
-                lora_a=layer.lora_A[name].weight, lora_b=layer.lora_B[name].weight, scaling=float(layer.scaling[name]),
+                lora_a=lora_a, lora_b=lora_b, scaling=float(layer.scaling[name]),
                 dropout_p=dropout.p if isinstance(dropout, torch.nn.Dropout) else 0.0)
 
 
@@ -348,6 +353,85 @@ def use_fused_lora(model, keep_8bit_absmax: bool = False) -> tuple[int, int]:
             setattr(module, FUSED_ATTR, True)
         fused += 1
     return fused, seen
+
+
+def cast_adapters_once_per_forward(model):
+    """Cast every fused layer's LoRA weights to the compute dtype once per training forward of `model`, all in one
+    go, instead of inside each layer; returns the hook's handle (remove it after training), or None where no layer
+    is fused.
+
+    Why: the LoRA weights are fp32 (the optimizer's precision; freetune.model.adapter_dtype_guard) and the layers
+    compute in 16 bits, so each projection cast its A and B to 16 bits in its forward, again in a checkpointed
+    layer's recompute, and cast their two gradients back to fp32 in its backward: up to six launches per projection
+    and step, on a small model's step that is bound by the host's launches (docs/performance.md has the counts).
+    Here a forward pre-hook casts all of them with one multi-tensor copy and hands each layer its 16-bit pair
+    (ADAPTER_16BIT_ATTR, read by fused_call_args); their gradients come back to fp32 in one copy at the end of the
+    backward. The same casts, so the same numbers (tests/test_kernels.py).
+
+    One process only (train() asks): under DDP every gradient would reach its parameter at the very end of the
+    backward, and the all-reduce of the first buckets could no longer overlap the rest of the backward. The 16-bit
+    copies stay alive from the forward to the end of the backward (2 bytes per LoRA weight, counted by
+    freetune.memory.estimate)."""
+    layers, weights = [], []
+    for module in model.modules():
+        if getattr(module, FUSED_ATTR, False):
+            adapter = module.active_adapters[0] if len(module.active_adapters) == 1 else None
+            if adapter is None or adapter not in module.lora_A:
+                continue
+            layers.append(module)
+            weights += [module.lora_A[adapter].weight, module.lora_B[adapter].weight]
+    computes = {layer._freetune_spec[3] for layer in layers}
+    if len(computes) != 1:  # none fused, or layers computing in different dtypes: each layer casts its own
+        return None
+    compute = computes.pop()
+    cast_fn = _cast_function()
+
+    def cast_before_forward(top, args, kwargs=None):
+        import torch
+        import torch._dynamo
+
+        for layer in layers:  # no 16-bit pair outside a training forward: peft's weights then (or a stale pair)
+            setattr(layer, ADAPTER_16BIT_ATTR, None)
+        if not (top.training and torch.is_grad_enabled()):
+            return None
+        cast = cast_fn.apply(layers, compute, *weights)
+        for t in cast:  # fixed sizes, as the parameters they copy: a token count equal to one must not specialise
+            torch._dynamo.mark_static(t)
+        for i, layer in enumerate(layers):
+            setattr(layer, ADAPTER_16BIT_ATTR, (cast[2 * i], cast[2 * i + 1]))
+        return None
+
+    return model.register_forward_pre_hook(cast_before_forward)
+
+
+def _cast_function():
+    import torch
+
+    class CastAdapters(torch.autograd.Function):
+        """fp32 LoRA weights -> 16-bit copies, one multi-tensor copy each way."""
+
+        @staticmethod
+        def forward(ctx, layers, dtype, *weights):
+            ctx.layers, ctx.dtypes = layers, [w.dtype for w in weights]
+            ctx.set_materialize_grads(False)  # a weight no layer used gets no gradient, not a zero one
+            out = [torch.empty_like(w, dtype=dtype) for w in weights]
+            torch._foreach_copy_(out, list(weights))
+            return tuple(out)
+
+        @staticmethod
+        def backward(ctx, *grads):
+            for layer in ctx.layers:  # the backward is over: the 16-bit copies may go
+                setattr(layer, ADAPTER_16BIT_ATTR, None)
+            have = [i for i, g in enumerate(grads) if g is not None]
+            out = [torch.empty_like(grads[i], dtype=ctx.dtypes[i]) for i in have]
+            if out:
+                torch._foreach_copy_(out, [grads[i] for i in have])
+            full = [None] * len(grads)
+            for i, g in zip(have, out):
+                full[i] = g
+            return (None, None, *full)
+
+    return CastAdapters
 
 
 def compile_layers(model, backend: str = "inductor") -> int:

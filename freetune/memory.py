@@ -395,8 +395,11 @@ def estimate(shape: ModelShape, *, max_length: int, micro_batch: int, lora_rank:
     if embeddings_on_host and shards == 1 and not shape.tied_embeddings:
         other_weights -= embedding_bytes(shape, frozen_dtype)
     trainable = shape.lora_params(lora_rank, lora_targets)
-    # fp32 LoRA weights and fp32 gradients; under DDP the gradient buckets hold one more copy of the gradients.
-    lora = trainable * (4 + 4 + (4 if world_size > 1 else 0))
+    # fp32 LoRA weights and fp32 gradients; under DDP the gradient buckets hold one more copy of the gradients; in one
+    # process the fused layers' 16-bit copies of the weights, alive over each forward and backward
+    # (freetune.kernels.cast_adapters_once_per_forward).
+    cast_once = lora_kernel == "fused" and world_size == 1 and shards == 1
+    lora = trainable * (4 + 4 + (4 if world_size > 1 else 0) + (2 if cast_once else 0))
     state_bytes = OPTIMIZER_STATE_BYTES.get(optimizer.lower(), 8)  # unknown optimizers: AdamW's 8, the safe side
     optimizer_state = trainable * state_bytes
     if shards > 1:

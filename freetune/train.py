@@ -303,7 +303,7 @@ def train(model, tokenizer, train_dataset, config, *, plan: Plan, paths: Paths, 
     from transformers.trainer_callback import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)  # it prints raw log dicts; ProgressPrinter prints one clean line
-    _speed_up(trainer, plan)
+    undo_speed_ups = _speed_up(trainer, plan)
     print0(f"Checkpoints: every {config.save_steps} steps, the last {config.save_total_limit} kept, in "
            f"{paths.checkpoints}. Time budget: {budget_text}.")
     resume_from = checkpoint.agree_on_resume(paths.checkpoints, config.max_steps, hub) if resume else None
@@ -319,6 +319,8 @@ def train(model, tokenizer, train_dataset, config, *, plan: Plan, paths: Paths, 
     finally:
         if hub is not None:
             hub.close()
+        for undo in undo_speed_ups:
+            undo()
         kernels.uncompile_layers(trainer.model)  # the model may go on to generate: eager layers for that
         host_embeddings.to_gpu(trainer.model)  # and to export: the model as loaded
     wall = time.time() - start
@@ -343,10 +345,13 @@ def _rows_to_train(train_dataset, eval_dataset, config):
     return eval_dataset
 
 
-def _speed_up(trainer, plan: Plan) -> None:
-    """What the plan chose beyond the Trainer's settings: the fused LoRA kernel, the loss head's tiles, the attention
-    kernel (probed now), the input embeddings in host RAM, compiled decoder layers."""
+def _speed_up(trainer, plan: Plan) -> list:
+    """What the plan chose beyond the Trainer's settings: the fused LoRA kernel (its LoRA weights cast once per
+    forward in one process), the loss head's tiles, the attention kernel (probed now), the input embeddings in host
+    RAM, compiled decoder layers. Returns what to undo after training."""
     import torch
+
+    undo = []
 
     if plan.sampler == "rank_balanced" and trainer.args.world_size > 1:
         print0(f"Sampler: each optimizer step's rows are dealt to the {trainer.args.world_size} ranks by length, "
@@ -354,7 +359,11 @@ def _speed_up(trainer, plan: Plan) -> None:
     if plan.lora_kernel == "fused":
         fused, seen = kernels.use_fused_lora(
             trainer.model, keep_8bit_absmax=keeps_8bit_absmax(plan.lora_kernel, plan.compile, plan.mlp_kernel))
-        print0(f"LoRA kernel: fused on {fused} of {seen} LoRA layers (freetune.kernels).")
+        once = trainer.args.world_size == 1 and kernels.cast_adapters_once_per_forward(trainer.model)
+        if once:
+            undo.append(once.remove)
+        print0(f"LoRA kernel: fused on {fused} of {seen} LoRA layers (freetune.kernels)"
+               + ("; their weights cast to 16 bits once per forward, all together." if once else "."))
     if plan.mlp_kernel in ("chunked", "traced"):
         fused, seen = fused_mlp.use_fused_mlp(trainer.model, kernel=plan.mlp_kernel)
         how = (f"in chunks of {fused_mlp.CHUNK_TOKENS} tokens" if plan.mlp_kernel == "chunked"
@@ -369,6 +378,7 @@ def _speed_up(trainer, plan: Plan) -> None:
     if plan.compile:
         compiled = kernels.compile_layers(trainer.model)
         print0(f"torch.compile: {compiled} decoder layers; the first steps are slower while they compile.")
+    return undo
 
 
 def _check_trained(trainer, guard, config, paths: Paths) -> None:

@@ -88,7 +88,7 @@ LIKE_FOR_LIKE = ("like", {"lora_dropout": 0, "optimizer": "adamw_8bit"})
 # --variants keys that are not plan fields: experiments on top of freetune's path. The DDP ones change nothing in
 # one process, so a variant made only of them runs under DDP only (compared with freetune's own 1-GPU run).
 EXPERIMENTS = ("liger", "cpp_wrapper", "combo_kernels", "dense_head", "no_packed_check", "pin_cores", "byte_masks",
-               "fp32_absmax",
+               "fp32_absmax", "per_layer_casts", "copied_heads",
                "lora_dropout",
                "ddp_split", "static_graph", "bucket_view", "bucket_mb", "flat_sync")
 DDP_EXPERIMENTS = ("ddp_split", "static_graph", "bucket_view", "bucket_mb", "flat_sync")
@@ -582,7 +582,8 @@ def seen_estimate(plan, shape: ModelShape, tokens: int) -> float | None:
 
 def apply_experiments(experiments: dict, shape: ModelShape, local_rank: int) -> None:
     """The experiments a --variants run asks for that change freetune's path itself (before the model loads):
-    cpp_wrapper, combo_kernels, dense_head, no_packed_check, pin_cores, byte_masks, fp32_absmax, liger. A GPU worker
+    cpp_wrapper, combo_kernels, dense_head, no_packed_check, pin_cores, byte_masks, fp32_absmax, per_layer_casts,
+    copied_heads, liger. A GPU worker
     process runs one configuration, so what they patch is patched for it only (a --tiny run without --spawn runs every
     job in one process: its patches stay for the runs after it)."""
     import torch
@@ -636,6 +637,15 @@ def apply_experiments(experiments: dict, shape: ModelShape, local_rank: int) -> 
         import freetune.train
 
         freetune.train.keeps_8bit_absmax = lambda *args: False
+    # The two launch savings of the eighth session, undone to measure them in the same call:
+    if experiments.get("per_layer_casts"):  # each fused layer casts its own LoRA weights (no once-per-forward cast)
+        import freetune.kernels
+
+        freetune.kernels.cast_adapters_once_per_forward = lambda model: None
+    if experiments.get("copied_heads"):  # the memory-efficient attention's heads copied into parts, as before
+        import freetune.fast
+
+        freetune.fast.POLICY_BACKENDS["turing"] = ("efficient_copied",)
     if experiments.get("liger"):  # Liger's Triton RMSNorm, SwiGLU and RoPE (not its loss: TRL's head is chunked)
         import liger_kernel.transformers as liger
 
@@ -778,6 +788,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "fusion), byte_masks=true (dropout masks a byte per "
                              "element, as before freetune.kernels.pack_mask; with mlp_kernel=layers only), "
                              "fp32_absmax=true (the fused layers' fp32 absmax copy where compiled ones keep 8-bit), "
+                             "per_layer_casts=true (each layer casts its own LoRA weights), copied_heads=true (the "
+                             "T4 attention's heads copied into parts), "
                              "lora_dropout=0 (freetune with the peer's LoRA: no dropout; default: the mode's "
                              "recipe's), "
                              "dense_head=true and no_packed_check=true (two host syncs per step removed), "

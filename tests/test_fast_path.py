@@ -139,7 +139,7 @@ def test_the_plan_chooses_the_fast_path_and_says_why(monkeypatch):
     monkeypatch.setattr(fast, "_PROBED", {})
     answer = ("efficient", "efficient: checked against sdpa, forward and backward")
     t4 = make_plan(machine("Tesla T4", (7, 5), 14.7, False), model_shape=shape, micro_batch=None, grad_accum=8)
-    assert probed == [("efficient",)]
+    assert probed == [("efficient", "efficient_copied")]
     assert t4.micro_batch > 1 and t4.gradient_checkpointing and t4.batching == "padding_free"
     assert "would need" in t4.reasons["gradient_checkpointing"] and "T4 (sm75) runs too" in t4.reasons["batching"]
     assert t4.frozen_dtype == "float16" and t4.attn_implementation == fast.VARLEN_ATTENTION
@@ -333,7 +333,7 @@ def _padding_free_vs_alone(model_dir, device: str, backend: str):
     from freetune.preflight import Plan
 
     cuda = device == "cuda"
-    dtype = {"flash": "bfloat16", "efficient": "float16"}.get(backend, "float32")
+    dtype = {"flash": "bfloat16", "efficient": "float16", "efficient_copied": "float16"}.get(backend, "float32")
     plan = Plan(device=device, compute_dtype=dtype, mixed_precision={"bfloat16": "bf16", "float16": "fp16"}.get(
         dtype, "no"), attn_implementation=fast.VARLEN_ATTENTION, micro_batch=3, grad_accum=1,
         gradient_checkpointing=False, frozen_dtype=dtype if cuda else "float32")
@@ -365,12 +365,13 @@ def _padding_free_vs_alone(model_dir, device: str, backend: str):
     return packed, torch.cat(alone), packed_grads, [p.grad for p in lora]
 
 
-@pytest.mark.parametrize("where", ["cpu", "cuda:flash", "cuda:efficient"])
+@pytest.mark.parametrize("where", ["cpu", "cuda:flash", "cuda:efficient", "cuda:efficient_copied"])
 def test_each_row_of_a_padding_free_batch_gets_its_own_logits_and_gradients(tiny_model_dir, where):
     """Rows concatenated into one padding-free batch (position ids restarting, cu_seq_lens) give every row the logits
     and the LoRA gradients it gets on its own: no token attends across rows, forward or backward. On a CPU through
     sdpa and transformers' block-diagonal mask; on a GPU through each variable-length kernel (flash: sm80+;
-    efficient: the one a T4 runs), run on the GPU machine with `pytest tests/test_fast_path.py -k own_logits`."""
+    efficient: the one a T4 runs, in both its layouts), run on the GPU machine with
+    `pytest tests/test_fast_path.py -k own_logits`."""
     import torch
 
     device, _, backend = where.partition(":")

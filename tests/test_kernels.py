@@ -304,12 +304,15 @@ def test_evaluation_and_unsupported_layers_keep_peft_forward(tiny_model_dir):
     assert kernels.use_fused_lora(dora)[0] == 0
 
 
-@pytest.mark.parametrize("checkpointing, keep_8bit", [(False, True), (True, True), (True, False)])
-def test_compiled_layers_train_like_eager_ones(tiny_model_dir, checkpointing, keep_8bit):
+@pytest.mark.parametrize("checkpointing, keep_8bit, cast_once", [(False, True, False), (True, True, False),
+                                                                  (True, False, False), (True, True, True)])
+def test_compiled_layers_train_like_eager_ones(tiny_model_dir, checkpointing, keep_8bit, cast_once):
     """compile_layers compiles each decoder layer with its fused LoRA layers inside, as one graph (aot_eager:
     dynamo and the autograd graph as the GPU's inductor sees them), over three lengths, with and without gradient
     checkpointing (the T4 plan has it on), the compiled layers dequantising from the 8-bit absmax values in the graph
-    (the plan's way) or from fp32 ones; the eager reference reads fp32 ones."""
+    (the plan's way) or from fp32 ones; the eager reference reads fp32 ones. cast_once: the compiled layers read the
+    LoRA weights' copies made once per forward (cast_adapters_once_per_forward; fresh tensors every forward, which must
+    not make new graphs), the eager reference its own weights."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -319,6 +322,8 @@ def test_compiled_layers_train_like_eager_ones(tiny_model_dir, checkpointing, ke
         if checkpointing:  # as the Trainer sets it up, before train() compiles the layers
             model.get_base_model().gradient_checkpointing_enable({"use_reentrant": False})
         kernels.use_fused_lora(model, keep_8bit_absmax=keep_8bit and model is compiled)
+    if cast_once:
+        assert kernels.cast_adapters_once_per_forward(compiled) is not None
     torch._dynamo.reset()
     counters.clear()
     assert kernels.compile_layers(compiled, backend="aot_eager") == len(compiled.get_base_model().model.layers)
@@ -355,6 +360,67 @@ def test_compiled_layers_train_like_eager_ones(tiny_model_dir, checkpointing, ke
     # After training the layers run eagerly again (generation has other shapes).
     assert kernels.uncompile_layers(compiled) == len(compiled.get_base_model().model.layers)
     assert kernels.uncompile_layers(compiled) == 0
+
+
+class CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """How many times each ATen op ran (what a GPU would launch for each)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls[str(func)] = self.calls.get(str(func), 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_lora_weights_are_cast_once_per_forward_with_the_same_numbers(tiny_model_dir, checkpointing):
+    """cast_adapters_once_per_forward: each LoRA projection's A and B were cast to the 16-bit compute dtype in its
+    forward (and again in a checkpointed layer's recompute) and their gradients back to fp32 in its backward; now one
+    multi-tensor copy each way per forward. The loss and every gradient are the same, bit for bit (the same casts,
+    made earlier); the layers cast none of their own; the 16-bit copies are gone once the backward is over; an
+    evaluation forward uses the fp32 weights (no hook work); removing the hook restores the per-layer casts."""
+    ids = torch.randint(3, 500, (1, 64), generator=torch.Generator().manual_seed(1))
+    models = [quantized_lora_model(tiny_model_dir, torch.bfloat16) for _ in range(2)]
+    for model in models:
+        if checkpointing:
+            model.get_base_model().gradient_checkpointing_enable({"use_reentrant": False})
+        kernels.use_fused_lora(model)
+    reference, model = models
+    projections = [m for m in model.modules() if getattr(m, kernels.FUSED_ATTR, False)]
+    for warm in models:  # first calls, and the first evaluation, make a few one-off casts: counted after them
+        loss_and_grads(warm, ids, torch.bfloat16)
+        warm.zero_grad()
+        warm.eval()
+        with torch.no_grad():
+            warm(input_ids=ids)
+        warm.train()
+    with CountOps() as per_layer:
+        want = loss_and_grads(reference, ids, torch.bfloat16)
+    handle = kernels.cast_adapters_once_per_forward(model)
+    with CountOps() as once:
+        got = loss_and_grads(model, ids, torch.bfloat16)
+
+    assert got[0] == want[0]
+    assert got[1].keys() == want[1].keys() and all(torch.equal(got[1][n], want[1][n]) for n in want[1])
+    passes = 2 if checkpointing else 1  # forwards per step of each layer: the recompute is a second one
+    per_projection = 2 * passes + 2   # A and B in each forward, their two gradients in the backward
+    assert per_layer.calls["aten._to_copy.default"] - once.calls["aten._to_copy.default"] == \
+        per_projection * len(projections)
+    assert once.calls["aten._foreach_copy_.default"] == 2 and "aten._foreach_copy_.default" not in per_layer.calls
+    assert all(getattr(m, kernels.ADAPTER_16BIT_ATTR) is None for m in projections)  # freed after the backward
+
+    model.eval()
+    with torch.no_grad(), CountOps() as evaluation:
+        model(input_ids=ids)
+    assert "aten._foreach_copy_.default" not in evaluation.calls
+    model.train()
+    handle.remove()
+    with CountOps() as removed:
+        again = loss_and_grads(model, ids, torch.bfloat16)
+    assert removed.calls["aten._to_copy.default"] == per_layer.calls["aten._to_copy.default"]
+    assert torch.equal(again[1][next(iter(want[1]))], 2 * want[1][next(iter(want[1]))])  # accumulated on the first
 
 
 def test_under_ddp_each_compiled_layer_stays_one_graph(tmp_path):

@@ -92,6 +92,12 @@ def test_parts_of_the_estimate():
     assert one.optimizer_gib == pytest.approx(18_464_768 * 2 / 2**30, rel=1e-2)
     assert estimate(QWEN15, max_length=1024, micro_batch=1, optimizer="adamw_torch").optimizer_gib == \
         pytest.approx(4 * one.optimizer_gib, rel=1e-2)
+    # The fused layers in one process add the LoRA weights' 16-bit copies (2 bytes each; cast once per forward); under
+    # DDP they cast per layer and the gradient buckets add 4 bytes instead.
+    fused = estimate(QWEN15, max_length=1024, micro_batch=1, lora_kernel="fused")
+    ddp = estimate(QWEN15, max_length=1024, micro_batch=1, lora_kernel="fused", world_size=2)
+    assert fused.lora_gib - one.lora_gib == pytest.approx(18_464_768 * 2 / 2**30, rel=1e-2)
+    assert ddp.lora_gib - one.lora_gib == pytest.approx(18_464_768 * 4 / 2**30, rel=1e-2)
     # What stays alive until the backward grows with the tokens; the loss head and one layer's backward come on top
     # of it, whichever is larger (they do not run at the same time).
     assert one.peak_allocated_gib < two.peak_allocated_gib
