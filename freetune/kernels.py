@@ -357,8 +357,8 @@ def use_fused_lora(model, keep_8bit_absmax: bool = False) -> tuple[int, int]:
 
 def cast_adapters_once_per_forward(model):
     """Cast every fused layer's LoRA weights to the compute dtype once per training forward of `model`, all in one
-    go, instead of inside each layer; returns the hook's handle (remove it after training), or None where no layer
-    is fused.
+    go, instead of inside each layer; returns what undoes it (call it after training), or None where no layer is
+    fused.
 
     Why: the LoRA weights are fp32 (the optimizer's precision; freetune.model.adapter_dtype_guard) and the layers
     compute in 16 bits, so each projection cast its A and B to 16 bits in its forward, again in a checkpointed
@@ -372,14 +372,14 @@ def cast_adapters_once_per_forward(model):
     backward, and the all-reduce of the first buckets could no longer overlap the rest of the backward. The 16-bit
     copies stay alive from the forward to the end of the backward (2 bytes per LoRA weight, counted by
     freetune.memory.estimate)."""
-    layers, weights = [], []
+    layers, adapters = [], []
     for module in model.modules():
         if getattr(module, FUSED_ATTR, False):
             adapter = module.active_adapters[0] if len(module.active_adapters) == 1 else None
             if adapter is None or adapter not in module.lora_A:
                 continue
             layers.append(module)
-            weights += [module.lora_A[adapter].weight, module.lora_B[adapter].weight]
+            adapters.append(adapter)
     computes = {layer._freetune_spec[3] for layer in layers}
     if len(computes) != 1:  # none fused, or layers computing in different dtypes: each layer casts its own
         return None
@@ -394,6 +394,9 @@ def cast_adapters_once_per_forward(model):
             setattr(layer, ADAPTER_16BIT_ATTR, None)
         if not (top.training and torch.is_grad_enabled()):
             return None
+        # The weights read again at every forward, not kept from above: a resumed run's loading may replace them.
+        weights = [w for layer, adapter in zip(layers, adapters)
+                   for w in (layer.lora_A[adapter].weight, layer.lora_B[adapter].weight)]
         cast = cast_fn.apply(layers, compute, *weights)
         for t in cast:  # fixed sizes, as the parameters they copy: a token count equal to one must not specialise
             torch._dynamo.mark_static(t)
@@ -401,7 +404,14 @@ def cast_adapters_once_per_forward(model):
             setattr(layer, ADAPTER_16BIT_ATTR, (cast[2 * i], cast[2 * i + 1]))
         return None
 
-    return model.register_forward_pre_hook(cast_before_forward)
+    handle = model.register_forward_pre_hook(cast_before_forward)
+
+    def undo():
+        handle.remove()
+        for layer in layers:  # a step stopped between its forward and its backward left its copies there
+            setattr(layer, ADAPTER_16BIT_ATTR, None)
+
+    return undo
 
 
 def _cast_function():

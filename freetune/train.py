@@ -361,7 +361,7 @@ def _speed_up(trainer, plan: Plan) -> list:
             trainer.model, keep_8bit_absmax=keeps_8bit_absmax(plan.lora_kernel, plan.compile, plan.mlp_kernel))
         once = trainer.args.world_size == 1 and kernels.cast_adapters_once_per_forward(trainer.model)
         if once:
-            undo.append(once.remove)
+            undo.append(once)
         print0(f"LoRA kernel: fused on {fused} of {seen} LoRA layers (freetune.kernels)"
                + ("; their weights cast to 16 bits once per forward, all together." if once else "."))
     if plan.mlp_kernel in ("chunked", "traced"):

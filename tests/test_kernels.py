@@ -380,7 +380,7 @@ def test_the_lora_weights_are_cast_once_per_forward_with_the_same_numbers(tiny_m
     forward (and again in a checkpointed layer's recompute) and their gradients back to fp32 in its backward; now one
     multi-tensor copy each way per forward. The loss and every gradient are the same, bit for bit (the same casts,
     made earlier); the layers cast none of their own; the 16-bit copies are gone once the backward is over; an
-    evaluation forward uses the fp32 weights (no hook work); removing the hook restores the per-layer casts."""
+    evaluation forward uses the fp32 weights (no hook work); undoing it restores the per-layer casts."""
     ids = torch.randint(3, 500, (1, 64), generator=torch.Generator().manual_seed(1))
     models = [quantized_lora_model(tiny_model_dir, torch.bfloat16) for _ in range(2)]
     for model in models:
@@ -398,7 +398,7 @@ def test_the_lora_weights_are_cast_once_per_forward_with_the_same_numbers(tiny_m
         warm.train()
     with CountOps() as per_layer:
         want = loss_and_grads(reference, ids, torch.bfloat16)
-    handle = kernels.cast_adapters_once_per_forward(model)
+    undo = kernels.cast_adapters_once_per_forward(model)
     with CountOps() as once:
         got = loss_and_grads(model, ids, torch.bfloat16)
 
@@ -416,11 +416,23 @@ def test_the_lora_weights_are_cast_once_per_forward_with_the_same_numbers(tiny_m
         model(input_ids=ids)
     assert "aten._foreach_copy_.default" not in evaluation.calls
     model.train()
-    handle.remove()
+    undo()
     with CountOps() as removed:
         again = loss_and_grads(model, ids, torch.bfloat16)
     assert removed.calls["aten._to_copy.default"] == per_layer.calls["aten._to_copy.default"]
     assert torch.equal(again[1][next(iter(want[1]))], 2 * want[1][next(iter(want[1]))])  # accumulated on the first
+
+    # A LoRA weight replaced after the hook was installed (a resumed run's loading may do that) is the one cast.
+    undo = kernels.cast_adapters_once_per_forward(model)
+    replacement = torch.randn_like(projections[0].lora_A["default"].weight)
+    for layer in (projections[0], next(m for m in reference.modules() if getattr(m, kernels.FUSED_ATTR, False))):
+        layer.lora_A["default"].weight = torch.nn.Parameter(replacement.clone())
+    assert loss_and_grads(model, ids, torch.bfloat16)[0] == loss_and_grads(reference, ids, torch.bfloat16)[0]
+    # A forward whose backward never came (a step stopped in between) leaves its copies; undoing drops them.
+    model(input_ids=ids)
+    assert getattr(projections[0], kernels.ADAPTER_16BIT_ATTR) is not None
+    undo()
+    assert all(getattr(m, kernels.ADAPTER_16BIT_ATTR) is None for m in projections)
 
 
 def test_under_ddp_each_compiled_layer_stays_one_graph(tmp_path):
