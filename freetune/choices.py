@@ -17,7 +17,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from freetune.errors import FreetuneError
-from freetune.fast import POLICY_BACKENDS, VARLEN_ATTENTION, VARLEN_KERNEL_NAMES, varlen_backend, varlen_works
+from freetune.fast import (EFFICIENT_BACKENDS, POLICY_BACKENDS, VARLEN_ATTENTION, VARLEN_KERNEL_NAMES, varlen_backend,
+                           varlen_works)
 from freetune.memory import TILE_TOKENS, ModelShape, embedding_bytes, estimate
 
 if TYPE_CHECKING:
@@ -352,7 +353,7 @@ def choose_batching(policy: str, gpus_capability: list[tuple[int, int]], micro_b
         ok, why = varlen_works(this_gpu(), policy)
         if ok:
             kernel = ("the memory-efficient variable-length attention kernel, which a T4 (sm75) runs too,"
-                      if varlen_backend(this_gpu()).startswith("efficient") else "variable-length FlashAttention")
+                      if varlen_backend(this_gpu()) in EFFICIENT_BACKENDS else "variable-length FlashAttention")
             return ("padding_free", VARLEN_ATTENTION,
                     f"rows concatenated (padded to a multiple of 8 tokens only); {kernel} keeps them apart ({why})")
         return ("grouped", "", f"padded batches of similar length, little padding (no padding-free kernel: {why})")

@@ -70,10 +70,11 @@ def _varlen_fn():
 #                   causal inside each row, nothing across rows. It takes equal head counts: grouped-query heads are
 #                   handled a kv head at a time (_efficient_op);
 #   "efficient_copied"  the same kernel, with the heads copied into parts (_efficient_op): the fallback.
-VARLEN_BACKENDS = ("flash", "torch_varlen", "efficient", "efficient_copied")
+EFFICIENT_BACKENDS = ("efficient", "efficient_copied")  # the memory-efficient kernel's two layouts
+VARLEN_BACKENDS = ("flash", "torch_varlen", *EFFICIENT_BACKENDS)
 # What each precision policy may use: a T4 (Turing, sm75) has no FlashAttention-2 kernel in PyTorch, and the T4
 # emulation on a bigger GPU holds to what a T4 can run.
-POLICY_BACKENDS = {"ampere": VARLEN_BACKENDS, "turing": ("efficient", "efficient_copied")}
+POLICY_BACKENDS = {"ampere": VARLEN_BACKENDS, "turing": EFFICIENT_BACKENDS}
 VARLEN_KERNEL_NAMES = {"flash": "FlashAttention-2", "torch_varlen": "varlen_attn",
                        "efficient": "memory-efficient (sm50+, a T4 included)",
                        "efficient_copied": "memory-efficient (sm50+, a T4 included; heads copied per part)"}
@@ -86,7 +87,7 @@ def _varlen_call(q, k, v, cu_seq, max_len: int, scale, backend: str = "flash"):
     if backend == "flash":
         return torch.ops.aten._flash_attention_forward(q, k, v, cu_seq, cu_seq, max_len, max_len, 0.0, True, False,
                                                        scale=scale)[0]
-    if backend in ("efficient", "efficient_copied"):
+    if backend in EFFICIENT_BACKENDS:
         return _efficient_op()(q, k, v, cu_seq, max_len, scale, backend == "efficient")
     fn, params = _VARLEN["fn"], _VARLEN["params"]  # set by the probe, which ran before any call of this backend
     kwargs = {}
@@ -194,14 +195,12 @@ def _efficient_op():
         dqs = []
         for qs, ks in parts(q, k, strided):
             kp, vp = repeated(k[:, ks], groups, strided), repeated(v[:, ks], groups, strided)
-            if strided:
-                # The kernel reads q's strides; the incoming gradient the aten op copies itself; the output's row
-                # stride the kernel takes as heads x dim (o_strideM in PyTorch's kernel_backward.h), so that slice is
-                # copied. (Views of all three gave wrong gradients on the GPU: gpu_tests_strided_backward_failed.log.)
-                qp, gp, outp, lp = q[:, qs], grad[:, qs], out[:, qs].contiguous(), lse[:, qs]
-            else:
-                qp, gp, outp, lp = (q[:, qs].contiguous(), grad[:, qs].contiguous(), out[:, qs].contiguous(),
-                                   lse[:, qs].contiguous())
+            # The kernel reads q's strides; the incoming gradient the aten op copies itself; the output's row stride
+            # the kernel takes as heads x dim (o_strideM in PyTorch's kernel_backward.h), so that slice is always
+            # copied. (Views of all three gave wrong gradients on the GPU: gpu_tests_strided_backward_failed.log.)
+            qp, gp, outp, lp = q[:, qs], grad[:, qs], out[:, qs].contiguous(), lse[:, qs]
+            if not strided:
+                qp, gp = qp.contiguous(), gp.contiguous()
             dqp, dkp, dvp, _ = torch.ops.aten._efficient_attention_backward(
                 gp[None], qp[None], kp[None], vp[None], None, outp[None], cu, cu, max_len, max_len, lp, 0.0, unused,
                 unused, 1, False, scale=scale)
@@ -348,7 +347,7 @@ def _probe(device_index: int, backends: tuple = VARLEN_BACKENDS) -> tuple[str, s
     major, minor = torch.cuda.get_device_capability(device_index)
     failures = []
     for backend in backends:
-        if not backend.startswith("efficient") and major < 8:
+        if backend not in EFFICIENT_BACKENDS and major < 8:
             failures.append(f"{backend}: sm_{major}{minor}, PyTorch builds it for sm80+")
             continue
         if backend == "torch_varlen" and _varlen_fn() is None:
@@ -370,7 +369,7 @@ def _check_against_sdpa(device_index: int, backend: str) -> str:
         gen = torch.Generator(device=device).manual_seed(0)
         lengths, heads, kv_heads, dim = [37, 91], 4, 2, 64
         total = sum(lengths)
-        bf16 = not backend.startswith("efficient") and torch.cuda.is_bf16_supported()
+        bf16 = backend not in EFFICIENT_BACKENDS and torch.cuda.is_bf16_supported()
         dtype = torch.bfloat16 if bf16 else torch.float16
         # The model hands over (1, heads, tokens, dim) views; probe the same layout.
         q = torch.randn(1, heads, total, dim, device=device, dtype=dtype, generator=gen).requires_grad_()

@@ -390,9 +390,9 @@ def cast_adapters_once_per_forward(model):
         import torch
         import torch._dynamo
 
-        for layer in layers:  # no 16-bit pair outside a training forward: peft's weights then (or a stale pair)
-            setattr(layer, ADAPTER_16BIT_ATTR, None)
         if not (top.training and torch.is_grad_enabled()):
+            for layer in layers:  # no 16-bit pair outside a training forward: the fp32 weights then, never a stale pair
+                setattr(layer, ADAPTER_16BIT_ATTR, None)
             return None
         # The weights read again at every forward, not kept from above: a resumed run's loading may replace them.
         weights = [w for layer, adapter in zip(layers, adapters)
