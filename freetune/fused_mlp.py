@@ -33,8 +33,6 @@ tokens/s. The plan takes it only where even one row of max_length would not fit 
 
 from __future__ import annotations
 
-import warnings
-
 from freetune import kernels, overrides
 
 FUSED_MLP_ATTR = "_freetune_fused_mlp"
@@ -49,52 +47,47 @@ def _keep_scale(p: float) -> float:
     return 1.0 / (1.0 - p)
 
 
-def _pointwise(fn):
-    """`fn` (elementwise work over a chunk) as one fused kernel on a GPU, through torch.compile with dynamic shapes;
-    as written on a CPU. Run eagerly op by op it was a dozen launches and passes over memory per chunk, which is what a
-    launch-bound step (and a T4's memory bandwidth) cannot spare."""
-    compiled: dict = {}
-
-    def call(*args):
-        if not args[0].is_cuda:
-            return fn(*args)
-        if "fn" not in compiled:
-            import torch
-
-            compiled["fn"] = torch.compile(fn, dynamic=True, fullgraph=True)
-        try:
-            return compiled["fn"](*args)
-        except Exception as exc:  # a GPU or torch build inductor cannot compile for: the same arithmetic, eagerly
-            if compiled["fn"] is fn:
-                raise
-            warnings.warn(f"freetune.fused_mlp: {fn.__name__} runs eagerly (torch.compile failed: {exc})")
-            compiled["fn"] = fn
+def _elementwise(kernel: str):
+    """`fn` (element-wise work over a chunk) as one Triton kernel launch where it can run one
+    (freetune.triton_kernels: `kernel`, on contiguous tensors), as written elsewhere (a CPU). Run op by op it is a
+    dozen launches and passes over memory per chunk, which is what a launch-bound step (and a T4's memory bandwidth)
+    cannot spare; a torch.compile'd helper, as before, cost a dynamo call per chunk."""
+    def wrap(fn):
+        def call(*args):
+            fast = kernels.triton_for(args[0])
+            if fast is not None and fast.contiguous(*(a for a in args if hasattr(a, "is_contiguous"))):
+                out = fast.run(kernel, *args)
+                if out is not None:
+                    return out
             return fn(*args)
 
-    call.__name__ = call.__qualname__ = fn.__name__
-    call.__doc__ = fn.__doc__
-    return call
+        call.__name__ = call.__qualname__ = fn.__name__
+        call.__doc__ = fn.__doc__
+        call.eager = fn  # the code as written (tests compare the two)
+        return call
+
+    return wrap
 
 
-@_pointwise
+@_elementwise("pack")
 def _pack(kept):
     """dropout's keep-mask as bits (freetune.kernels.pack_mask)."""
     return kernels.pack_mask(kept)
 
 
-@_pointwise
+@_elementwise("dropped")
 def _dropped(x, packed, scale: float):
     """dropout's output again: x where the packed mask kept it, times 1 / (1 - p)."""
     return x * kernels.unpack_mask(packed, x.shape[-1], x.dtype) * scale
 
 
-@_pointwise
-def _add_dropped_(dx, lora, packed, scale: float):
-    """dx += lora, dropped where the input was (in place)."""
-    dx.add_(lora * kernels.unpack_mask(packed, lora.shape[-1], lora.dtype) * scale)
+@_elementwise("dropped")
+def _add_dropped_(lora, packed, scale: float, dx):
+    """dx += lora, dropped where the input was (in place); returns dx."""
+    return dx.add_(lora * kernels.unpack_mask(packed, lora.shape[-1], lora.dtype) * scale)
 
 
-@_pointwise
+@_elementwise("activation")
 def _activation(g, u, packed, scale: float):
     """SwiGLU's activation silu(g) * u, dropped where the packed mask did not keep it (no mask: as it is)."""
     import torch
@@ -103,9 +96,10 @@ def _activation(g, u, packed, scale: float):
     return act if packed is None else act * kernels.unpack_mask(packed, act.shape[-1], act.dtype) * scale
 
 
-@_pointwise
+@_elementwise("swiglu_grads_")
 def _swiglu_grads_(g, u, dact):
-    """The gradients of silu(g) * u, written over g (d gate) and u (d up): silu'(g) = sig (1 + g (1 - sig))."""
+    """The gradients of silu(g) * u, written over g (d gate) and u (d up): silu'(g) = sig (1 + g (1 - sig)); returns
+    g."""
     import torch
 
     sig = torch.sigmoid(g.float())
@@ -114,6 +108,7 @@ def _swiglu_grads_(g, u, dact):
     d_gate = dact.float() * u.float() * (sig + silu * (1.0 - sig))
     g.copy_(d_gate)
     u.copy_(d_up)
+    return g
 
 
 def _project(x, w, a, b, s: float, p: float):
@@ -143,7 +138,7 @@ def _input_grad(dy, dh, packed, w, a, p: float):
     dx = dy @ w
     if packed is None:
         return dx.addmm_(dh, a)
-    _add_dropped_(dx, dh @ a, packed, _keep_scale(p))
+    _add_dropped_(dh @ a, packed, _keep_scale(p), dx)
     return dx
 
 
@@ -300,7 +295,7 @@ def _swiglu_backward_impl(g, u, hg, gb, hu, ub, dy, dh, dw, dabs, dtab, da, md, 
         if mask is None:
             dact.addmm_(dh[start:end], da)
         else:
-            _add_dropped_(dact, dh[start:end] @ da, mask, scale)
+            _add_dropped_(dh[start:end] @ da, mask, scale, dact)
         _swiglu_grads_(g[start:end], u[start:end], dact)
     return grad_da
 

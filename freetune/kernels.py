@@ -95,9 +95,26 @@ def _dequantize(packed, absmax, spec, table=None):
         block = torch.arange(absmax.shape[0], device=absmax.device) // NESTED_BLOCKSIZE
         return bnb_cpu.decode_4bit(packed, code4, code8[absmax.long()] * scales[block] + offset, blocksize, shape,
                                    dtype)
+    fast = triton_for(packed) if table is not None and quant_type == "nf4" else None
+    if fast is not None:
+        # Eagerly on a GPU (the custom ops' bodies: a backward's input gradient, the MLP backward): one Triton launch,
+        # bit for bit bitsandbytes' three ops (the 8-bit absmax values, their offset, the 4-bit codes).
+        out = fast.run("dequantize_nf4_nested", packed, absmax, table, blocksize, shape, dtype)
+        if out is not None:
+            return out
     if table is not None:
         absmax = decoded_absmax(absmax, table)
     return torch.ops.bitsandbytes.dequantize_4bit.default(packed, absmax, blocksize, quant_type, shape, dtype)
+
+
+def triton_for(t):
+    """freetune.triton_kernels where its kernels run on `t`'s device, else None (Triton not installed, a CPU tensor,
+    or a launch that failed before): the callers' eager code then."""
+    try:
+        from freetune import triton_kernels
+    except ImportError:
+        return None
+    return triton_kernels if triton_kernels.usable(t) else None
 
 
 def times_dequantized(d, packed, absmax, spec, table=None):

@@ -370,6 +370,7 @@ def _speed_up(trainer, plan: Plan) -> list:
                else "as one node each, gate and up recomputed in the backward")
         print0(f"MLP kernel: {fused} of {seen} MLPs {how} (freetune.fused_mlp).")
     overrides.set_loss_tile_tokens(plan.loss_tile_tokens)
+    overrides.keep_cuda_cache_between_steps(trainer)
     if torch.cuda.is_available() and plan.batching == "padding_free":
         # Probed now, eagerly, in this process (a torchrun rank too): the attention layers only read the result.
         fast.varlen_works(torch.cuda.current_device(), plan.policy)

@@ -13,7 +13,9 @@ pins in pyproject.toml). The library's other internals freetune touches are in f
 - complete-or-ignored checkpoints: every rank's share written, then the marker, then the rotation, and no save of
   NaN weights (_save_checkpoint, _save_rng_state; freetune.checkpoint);
 - resume: the token count, a finished run's rerun, the adapter's dtype, DDP on CPUs (_init_training_state,
-  _run_epoch, _load_from_checkpoint, _load_optimizer_and_scheduler).
+  _run_epoch, _load_from_checkpoint, _load_optimizer_and_scheduler);
+- no walk over every module of the model at every step: the parameter count of the FLOPs estimate counted once
+  (floating_point_ops), the gradient clipping given the trainable parameters (_clip_grad_norm).
 The plan (freetune.preflight.Plan) says which batching and sampler; freetune.train.train builds this trainer.
 """
 
@@ -113,6 +115,37 @@ class FreetuneTrainer(SFTTrainer):
             # Share of the tokens run through the model that were padding (0 when padding-free).
             metrics["pad_fraction"] = [1 - seen / computed if computed else 0.0]
         return super().log(logs, start_time)
+
+    # ---- per-step host work that does not change during a run ------------------------------------------------------
+
+    _parameter_count = None  # (the model, its parameters without the embeddings)
+    _trainable = None  # (the model as the training loop holds it, its trainable parameters)
+
+    @written_against("transformers 5.17")
+    def floating_point_ops(self, inputs):
+        # transformers counts the model's parameters for this estimate at every micro-batch, walking every module
+        # of the model (~1,000 for a 4-bit LoRA model): host time on a step bound by the host. The count is taken
+        # once; the estimate is the same.
+        main = getattr(self.model, "main_input_name", "input_ids")
+        if main not in inputs or not hasattr(self.model, "num_parameters"):
+            return super().floating_point_ops(inputs)
+        if self._parameter_count is None or self._parameter_count[0] is not self.model:
+            self._parameter_count = (self.model, self.model.num_parameters(exclude_embeddings=True))
+        return 6 * inputs[main].numel() * self._parameter_count[1]
+
+    @written_against("transformers 5.17")
+    def _clip_grad_norm(self, model):
+        # transformers hands accelerate model.parameters() at every step (every module walked again); only the
+        # trainable ones have gradients, so the norm and the clipping are those of the list kept from the first step.
+        # FSDP and DeepSpeed clip their own way (accelerate compares the list with the model's parameters there).
+        from accelerate.utils import DistributedType
+
+        plain = (DistributedType.NO, DistributedType.MULTI_GPU, DistributedType.MULTI_CPU)
+        if self.accelerator.distributed_type not in plain or self._has_mixed_mesh_grads(model):
+            return super()._clip_grad_norm(model)
+        if self._trainable is None or self._trainable[0] is not model:
+            self._trainable = (model, [p for p in model.parameters() if p.requires_grad])
+        return self.accelerator.clip_grad_norm_(self._trainable[1], self.args.max_grad_norm)
 
     # ---- which rows each rank gets ----------------------------------------------------------------------------
 

@@ -46,6 +46,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -88,7 +89,7 @@ LIKE_FOR_LIKE = ("like", {"lora_dropout": 0, "optimizer": "adamw_8bit"})
 # --variants keys that are not plan fields: experiments on top of freetune's path. The DDP ones change nothing in
 # one process, so a variant made only of them runs under DDP only (compared with freetune's own 1-GPU run).
 EXPERIMENTS = ("liger", "cpp_wrapper", "combo_kernels", "dense_head", "no_packed_check", "pin_cores", "byte_masks",
-               "fp32_absmax", "per_layer_casts", "copied_heads",
+               "fp32_absmax", "per_layer_casts", "copied_heads", "trl_empty_cache", "no_triton",
                "lora_dropout",
                "ddp_split", "static_graph", "bucket_view", "bucket_mb", "flat_sync")
 DDP_EXPERIMENTS = ("ddp_split", "static_graph", "bucket_view", "bucket_mb", "flat_sync")
@@ -222,6 +223,84 @@ def thread_cpu_between(before: dict, after: dict, top: int = 8) -> list[list]:
     return sorted(rows, key=lambda r: -r[1])[:top]
 
 
+class StackSampler:
+    """Where the host's time goes over the measured steps, without torch.profiler's per-op cost (which inflates
+    Python-heavy code several times over): a thread that reads every other thread's Python stack every `interval`
+    seconds (sys._current_frames) and counts, per thread, the innermost frame ("self") and every function on the
+    stack ("inclusive"). A C call (a kernel launch, an ATen op) counts on the Python line that made it; a thread
+    running C++ alone (the autograd engine between Python nodes) is not seen. Threads parked in a wait (tqdm's monitor,
+    telemetry) are left out. The GIL's switch interval is shortened while it runs so that a sample is taken when due;
+    the sampled run is a little slower."""
+
+    # An innermost frame here: a parked thread (a lock, a queue, inductor's compile workers waiting), not work.
+    IDLE = ("threading.py", "queue.py", "selectors.py", "compile_worker/subproc_pool.py", "compile_worker/timer.py")
+
+    def __init__(self, interval: float = 0.001):
+        self.interval, self.ticks, self.threads, self.self_counts, self.inclusive = interval, 0, {}, {}, {}
+        self.stop_event, self.thread, self.switch = threading.Event(), None, None
+
+    def start(self):
+        self.switch = sys.getswitchinterval()
+        sys.setswitchinterval(self.interval / 4)
+        self.thread = threading.Thread(target=self._run, name="stack-sampler", daemon=True)
+        self.thread.start()
+
+    def stop(self):
+        self.stop_event.set()
+        if self.thread is not None:
+            self.thread.join()
+            sys.setswitchinterval(self.switch)
+
+    def _label(self, ident: int) -> str:
+        if ident not in self.threads:
+            known = threading._active.get(ident)
+            main = ident == threading.main_thread().ident
+            self.threads[ident] = "main" if main else (known.name if known else f"native-{len(self.threads)}")
+        return self.threads[ident]
+
+    def _run(self):
+        me = threading.get_ident()
+        while not self.stop_event.wait(self.interval):
+            self.ticks += 1
+            for ident, frame in sys._current_frames().items():
+                code = frame.f_code
+                if ident == me or code.co_filename.endswith(self.IDLE):
+                    continue
+                label = self._label(ident)
+                key = (label, code.co_filename, frame.f_lineno, code.co_name)
+                self.self_counts[key] = self.self_counts.get(key, 0) + 1
+                seen = set()
+                while frame is not None:
+                    code = frame.f_code
+                    fn = (label, code.co_filename, code.co_firstlineno, code.co_name)
+                    if fn not in seen:
+                        seen.add(fn)
+                        self.inclusive[fn] = self.inclusive.get(fn, 0) + 1
+                    frame = frame.f_back
+
+    def summary(self, top: int = 45, top_inclusive: int = 120) -> dict:
+        """Per thread the share of ticks it was seen busy; the top lines by self samples (with the source line) and
+        functions by inclusive samples, as shares of the ticks (of wall time)."""
+        import linecache
+
+        def name(path: str) -> str:
+            parts = Path(path).parts
+            return "/".join(parts[-2:]) if len(parts) > 1 else path
+
+        ticks = max(self.ticks, 1)
+        busy = {}
+        for (label, *_), n in self.self_counts.items():
+            busy[label] = busy.get(label, 0) + n
+        lines = sorted(self.self_counts.items(), key=lambda kv: -kv[1])[:top]
+        funcs = sorted(self.inclusive.items(), key=lambda kv: -kv[1])[:top_inclusive]
+        return {"ticks": self.ticks, "interval_s": self.interval,
+                "busy": {label: round(n / ticks, 3) for label, n in sorted(busy.items(), key=lambda kv: -kv[1])},
+                "self": [[round(n / ticks, 4), f"{label} {name(f)}:{line} {fn}",
+                          linecache.getline(f, line).strip()[:100]] for (label, f, line, fn), n in lines],
+                "inclusive": [[round(n / ticks, 4), f"{label} {name(f)}:{line} {fn}"]
+                              for (label, f, line, fn), n in funcs]}
+
+
 def _step_profiler_class():
     from transformers import TrainerCallback
 
@@ -348,7 +427,8 @@ def run_one(job: dict) -> dict:
         learning_rate=1e-4, max_length=job["max_length"], logging_steps=job.get("logging_steps", 1),
         save_steps=100_000, seed=0)
     ddp_experiment_callbacks = apply_ddp_experiments(experiments, config)
-    timer = _timer_class()(job["warmup"], job["steps"], cuda, ctx.rank)
+    sampler = StackSampler() if job.get("sample_stacks") else None
+    timer = _timer_class()(job["warmup"], job["steps"], cuda, ctx.rank, sampler)
     # The profiled step comes after the measured ones: the profiler's own overhead stays out of the timings. Every
     # rank profiles the same step (under DDP the ranks wait for each other, so one rank's wait is the other's work);
     # the report keeps rank 0's summary, the log has every rank's tables.
@@ -362,6 +442,12 @@ def run_one(job: dict) -> dict:
               "lora_dropout": dropout}
     if profiler is not None and profiler.summary:
         result["profile"] = profiler.summary
+    if sampler is not None:
+        samples = result["stack_samples"] = sampler.summary()
+        print(f"where the host's time went (share of wall time; threads busy: {samples['busy']}), self:\n"
+              + "\n".join(f"  {share:6.1%}  {where}  | {line}" for share, where, line in samples["self"])
+              + "\ninclusive:\n" + "\n".join(f"  {share:6.1%}  {where}" for share, where in samples["inclusive"]),
+              flush=True)
     result.update(host_and_memory(timer, cuda))
     freetune.distributed.cleanup()
     return result
@@ -423,9 +509,9 @@ def _timer_class():
         printed by every rank: under DDP, which rank's host is the slower one, and where the other one waits).
         Last in the callback list: its step end comes after the stop callback's."""
 
-        def __init__(self, warmup: int, measured: int, cuda: bool, rank: int):
+        def __init__(self, warmup: int, measured: int, cuda: bool, rank: int, sampler: StackSampler | None = None):
             self.warmup, self.measured, self.total_steps = warmup, measured, warmup + measured
-            self.cuda, self.rank = cuda, rank
+            self.cuda, self.rank, self.sampler = cuda, rank, sampler
             self.marks, self.threads_at_warmup, self.busiest = {}, None, []
             self.phases, self.begin, self.pre_optimizer, self.end = [], None, None, None
 
@@ -447,7 +533,11 @@ def _timer_class():
                 self.marks[state.global_step] = time.perf_counter()
                 if state.global_step == warmup:
                     self.threads_at_warmup = thread_cpu()
+                    if self.sampler is not None:
+                        self.sampler.start()
                 elif self.threads_at_warmup is not None:
+                    if self.sampler is not None:
+                        self.sampler.stop()
                     self.busiest = thread_cpu_between(self.threads_at_warmup, thread_cpu())
                     self.print_host_time()
 
@@ -583,7 +673,7 @@ def seen_estimate(plan, shape: ModelShape, tokens: int) -> float | None:
 def apply_experiments(experiments: dict, shape: ModelShape, local_rank: int) -> None:
     """The experiments a --variants run asks for that change freetune's path itself (before the model loads):
     cpp_wrapper, combo_kernels, dense_head, no_packed_check, pin_cores, byte_masks, fp32_absmax, per_layer_casts,
-    copied_heads, liger. A GPU worker
+    copied_heads, trl_empty_cache, no_triton, liger. A GPU worker
     process runs one configuration, so what they patch is patched for it only (a --tiny run without --spawn runs every
     job in one process: its patches stay for the runs after it)."""
     import torch
@@ -646,6 +736,15 @@ def apply_experiments(experiments: dict, shape: ModelShape, local_rank: int) -> 
         import freetune.fast
 
         freetune.fast.POLICY_BACKENDS["turing"] = ("efficient_copied",)
+    # The two host savings of the ninth session, undone likewise:
+    if experiments.get("trl_empty_cache"):  # TRL's offloading context empties the CUDA cache every micro-batch again
+        import freetune.overrides
+
+        freetune.overrides.keep_cuda_cache_between_steps = lambda trainer: False
+    if experiments.get("no_triton"):  # the custom ops' eager dequantisation and MLP helpers without Triton kernels
+        import freetune.kernels
+
+        freetune.kernels.triton_for = lambda t: None
     if experiments.get("liger"):  # Liger's Triton RMSNorm, SwiGLU and RoPE (not its loss: TRL's head is chunked)
         import liger_kernel.transformers as liger
 
@@ -789,7 +888,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "element, as before freetune.kernels.pack_mask; with mlp_kernel=layers only), "
                              "fp32_absmax=true (the fused layers' fp32 absmax copy where compiled ones keep 8-bit), "
                              "per_layer_casts=true (each layer casts its own LoRA weights), copied_heads=true (the "
-                             "T4 attention's heads copied into parts), "
+                             "T4 attention's heads copied into parts), trl_empty_cache=true (TRL's offloading "
+                             "empties the CUDA cache every micro-batch), no_triton=true (the custom ops' element-wise "
+                             "work without freetune.triton_kernels), "
                              "lora_dropout=0 (freetune with the peer's LoRA: no dropout; default: the mode's "
                              "recipe's), "
                              "dense_head=true and no_packed_check=true (two host syncs per step removed), "
@@ -815,6 +916,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--profile", action="store_true",
                         help="profile one more step after the measured ones (torch.profiler): GPU busy share, "
                              "kernels, top ops in the log")
+    parser.add_argument("--sample-stacks", action="store_true",
+                        help="sample every thread's Python stack each millisecond over the measured steps "
+                             "(StackSampler): where the host's time goes, printed and in the report; the runs are a "
+                             "little slower")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     unknown = set(args.runs.split(",")) - set(RUNS + PEER_RUNS)
@@ -907,7 +1012,8 @@ def make_jobs(args: argparse.Namespace, work: Path, device: str, gpus: int) -> t
                              model=str(model_dir), tokenizer=str(tokenizer_dir), rows=str(rows_file),
                              model_shape=shape.name,
                              work=str(work), world=1, batching="padding_free" if args.tiny else None,
-                             overrides=overrides, profile=args.profile, logging_steps=every,
+                             overrides=overrides, profile=args.profile, sample_stacks=args.sample_stacks,
+                             logging_steps=every,
                              lora_dropout=recipe_default(spec["recipe"], "lora_dropout"),
                              t4_cublas_workspace=args.t4_cublas_workspace))
     if device == "cuda":

@@ -290,3 +290,41 @@ def test_the_peer_worker_imports_nothing_from_freetune(tmp_path):
     assert row == {"mode": "t4", "run": "unsloth", "world": 1, "out_of_memory": False,
                    "failed": "ModuleNotFoundError: No module named 'torch'"}
     assert subprocess.run([sys.executable, "-S", str(worker)], capture_output=True, timeout=60).returncode == 2
+
+
+def test_the_stack_sampler_finds_where_a_thread_spends_its_time():
+    """bench.StackSampler (--sample-stacks): a main thread that spends most of a stretch in one function and little
+    in another is seen busy throughout, the first function holding most of the samples and the second few; a
+    thread parked on a lock is left out."""
+    import threading
+    import time
+
+    bench = load_bench()
+
+    def slow_part(until):
+        x = 0
+        while time.perf_counter() < until:
+            x += 1
+        return x
+
+    def quick_part():
+        return sum(range(100))
+
+    parked = threading.Event()
+    waiter = threading.Thread(target=parked.wait, daemon=True)
+    waiter.start()
+    sampler = bench.StackSampler(interval=0.001)
+    sampler.start()
+    end = time.perf_counter() + 0.6
+    while time.perf_counter() < end:
+        slow_part(time.perf_counter() + 0.02)
+        quick_part()
+    sampler.stop()
+    parked.set()
+    summary = sampler.summary()
+    assert summary["ticks"] > 100
+    assert set(summary["busy"]) == {"main"} and summary["busy"]["main"] > 0.8  # the parked thread is left out
+    inclusive = {where.split(" ", 1)[1].rsplit(" ", 1)[1]: share for share, where in summary["inclusive"]}
+    assert inclusive["slow_part"] > 0.7 and inclusive.get("quick_part", 0.0) < 0.1
+    hottest_share, hottest, source = summary["self"][0]
+    assert hottest.endswith("slow_part") and ("perf_counter" in source or "x += 1" in source)

@@ -331,7 +331,10 @@ def test_compiled_layers_train_like_eager_ones(tiny_model_dir, checkpointing, ke
     weight_shapes = {tuple(m.base_layer.weight.quant_state.shape) for m in compiled.modules()
                      if getattr(m, kernels.FUSED_ATTR, False)}
     out_sizes = {shape[0] for shape in weight_shapes}
+    wrapped_floats = []  # Python floats dynamo turns into tensors at each call (none: compile_settings)
+    real_wrap = torch._as_tensor_fullprec
     try:
+        torch._as_tensor_fullprec = lambda t: wrapped_floats.append(t) or real_wrap(t)
         graphs = []
         for length in (32, 48, 40):  # padding-free batches change length every step: dynamic shapes
             ids = torch.randint(3, 500, (1, length), generator=torch.Generator().manual_seed(length))
@@ -350,7 +353,11 @@ def test_compiled_layers_train_like_eager_ones(tiny_model_dir, checkpointing, ke
             compiled.zero_grad()
             graphs.append(counters["stats"]["unique_graphs"])
     finally:
+        torch._as_tensor_fullprec = real_wrap
         torch._dynamo.reset()
+    # The LoRA scaling, the norms' eps and the attention's scale are constants of the graphs, not float inputs
+    # wrapped into tensors and guarded on at every call of every layer (host time on a launch-bound step).
+    assert not wrapped_floats, wrapped_floats[:5]
     # Whole layers compiled, the fused function traced inside (no graph break: a break per LoRA layer split each
     # layer into 8 pieces and ran at eager speed on an H200), and no new graph for a new length (the first
     # layer's input needs no gradient, the others' does: at most two graphs). The first length, 32, equals the

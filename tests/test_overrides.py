@@ -68,3 +68,104 @@ def test_every_trainer_override_is_tagged_and_exists_in_the_installed_libraries(
 
     with pytest.raises(FreetuneError, match="_a_hook_no_release_has .transformers 5.17.*would never run"):
         overrides.check_overridden(Drifted)
+
+
+def test_trl_activation_offloading_keeps_the_cuda_cache_between_micro_batches(monkeypatch):
+    """TRL's activation offloading context empties the device cache each time it is entered (every micro-batch) once
+    bitsandbytes is imported; keep_cuda_cache_between_steps leaves it out and keeps the rest of the context's device
+    module. On a CPU the context is built with the CPU as its accelerator and torch.cpu as its device module, its
+    empty_cache calls counted."""
+    import types
+
+    import bitsandbytes  # noqa: F401  (TRL empties the cache only where it is imported)
+    import torch
+    from trl.models.activation_offloading import OffloadActivations
+
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("cpu"))
+
+    class Counting:  # torch.cpu, with its empty_cache calls counted
+        def __init__(self, calls):
+            self.calls = calls
+
+        def __getattr__(self, name):
+            return getattr(torch.cpu, name)
+
+        def empty_cache(self):
+            self.calls.append("empty_cache")
+
+    def context():
+        calls = []
+        ctx = OffloadActivations(use_pin_memory=False, use_streams=False)
+        ctx.device_module = Counting(calls)
+        return ctx, calls
+
+    ctx, calls = context()
+    with ctx:  # TRL as it comes: the cache emptied on entering
+        pass
+    assert calls == ["empty_cache"]
+
+    ctx, calls = context()
+    trainer = types.SimpleNamespace(maybe_activation_offload_context=ctx)
+    assert overrides.keep_cuda_cache_between_steps(trainer)
+    assert not overrides.keep_cuda_cache_between_steps(trainer)  # once
+    for _ in range(3):
+        with ctx:
+            x = torch.randn(64, 64, requires_grad=True)
+            (x * x).sum().backward()  # the context's pack and unpack hooks still run
+    assert calls == []
+    assert ctx.device_module.current_stream() == torch.cpu.current_stream()  # everything else is the module's
+    # a trainer without offloading (a null context) is left as it is
+    assert not overrides.keep_cuda_cache_between_steps(types.SimpleNamespace(maybe_activation_offload_context=None))
+
+
+def test_the_trainer_walks_the_model_once_for_its_flops_estimate_and_its_gradient_clipping(tiny_model_dir, tmp_path):
+    """FreetuneTrainer.floating_point_ops and _clip_grad_norm give what transformers' give (the same FLOPs estimate;
+    the same norm and clipped gradients) without walking every module of the model at each step: the parameter count
+    and the trainable parameters are taken once."""
+    import torch
+    from datasets import Dataset
+    from transformers import Trainer
+
+    import freetune
+    from freetune.platform import Paths
+    from freetune.preflight import make_plan
+    from freetune.trainer import FreetuneTrainer
+
+    plan = make_plan(micro_batch=2, grad_accum=1)
+    paths = Paths.under(tmp_path / "run")
+    paths.make()
+    model = freetune.model.load_base_model(str(tiny_model_dir), plan)
+    model, _, _ = freetune.model.attach_lora(model, rank=4, alpha=8, dropout=0.0, seed=0)
+    config = freetune.train.make_config(paths, plan, max_steps=2, micro_batch=2, grad_accum=1, learning_rate=1e-4,
+                                        max_length=32, optimizer="adamw_torch", seed=0)
+    config.max_grad_norm = 0.01  # small: the gradients are clipped
+    trainer = FreetuneTrainer(model=model, args=config, train_dataset=Dataset.from_dict({"input_ids": [[5, 6, 7]] * 4}),
+                              processing_class=freetune.model.load_tokenizer(str(tiny_model_dir)), plan=plan)
+    inputs = {"input_ids": torch.ones(2, 17, dtype=torch.long)}
+    counted = []
+    real_count = model.num_parameters
+    model.num_parameters = lambda *a, **k: counted.append(1) or real_count(*a, **k)
+    want = Trainer.floating_point_ops(trainer, inputs)
+    counted.clear()
+    assert [trainer.floating_point_ops(inputs) for _ in range(3)] == [want] * 3 and want > 0
+    assert len(counted) == 1
+
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(p.shape, generator=gen).to(p.dtype) for p in trainable]
+
+    def clipped(clip):
+        for p, g in zip(trainable, grads):
+            p.grad = g.clone()
+        norm = clip(trainer, model)
+        return norm, [p.grad.clone() for p in trainable]
+
+    want_norm, want_grads = clipped(Trainer._clip_grad_norm)
+    walks = []
+    real_parameters = model.parameters
+    model.parameters = lambda *a, **k: walks.append(1) or real_parameters(*a, **k)
+    for _ in range(3):
+        norm, got = clipped(FreetuneTrainer._clip_grad_norm)
+        assert torch.equal(norm, want_norm) and want_norm > config.max_grad_norm
+        assert all(torch.equal(a, b) for a, b in zip(got, want_grads))
+    assert len(walks) == 1  # the trainable parameters listed once

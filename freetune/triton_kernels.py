@@ -1,0 +1,186 @@
+"""Hand-written Triton kernels for the element-wise work that freetune's custom ops do eagerly on a GPU: one launch
+each, called straight from Python.
+
+Why: inside the compiled decoder layers inductor writes such work itself, but the custom ops that the layers' graphs
+call (freetune::dequantized_mm, freetune::swiglu_backward_, the chunked MLP) run their bodies eagerly, and there it
+cost the host more than the GPU. A backward's dequantisation of a double-quantised weight was three of
+bitsandbytes' registered ops (the 8-bit absmax values, their offset, then the 4-bit codes), each Python and ctypes
+around its kernel, for six weights per layer; the MLP backward's element-wise steps were torch.compile'd helpers, a
+dynamo call (guards, wrappers) per chunk of tokens. A sampled host profile of a 4 GB-card step had the custom ops at
+a third of the wall time (docs/performance.md). Here each of them is one kernel launch.
+
+The same arithmetic as the code it replaces (tests/test_triton_kernels.py, on a CPU through Triton's interpreter,
+and on a GPU): the dequantisation bit for bit as bitsandbytes' (the absmax value's product and its offset rounded
+apart, as bitsandbytes does: fp contraction off), the SwiGLU steps in fp32 with one rounding at the end (as inductor
+computes them).
+
+Imported where Triton is (freetune.kernels.triton_for). A launch that fails (a GPU Triton cannot compile for) warns
+once and the callers take their eager path from then on.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+import triton
+import triton.language as tl
+
+from freetune.kernels import NESTED_BLOCKSIZE
+
+_BROKEN: dict = {}  # "why": set once a launch failed; usable() is then False for the process
+BLOCK = 1024        # elements (bytes, for the dequantisation) per program
+
+
+def usable(t) -> bool:
+    """Whether the kernels here run on `t`'s device: CUDA (or CPU tensors under Triton's interpreter,
+    TRITON_INTERPRET=1, for tests), and no launch failed before."""
+    interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return not _BROKEN and (t.is_cuda or (t.device.type == "cpu" and interpreting))
+
+
+def run(name: str, *args):
+    """Kernel wrapper `name` (below) on args; None where it failed (warned once, usable() then False): the caller's
+    eager path."""
+    try:
+        return globals()[name](*args)
+    except Exception as exc:  # a GPU or build Triton cannot compile for: the same arithmetic, eagerly
+        _BROKEN["why"] = repr(exc)
+        warnings.warn(f"freetune.triton_kernels: {name} failed ({exc}); the eager code runs instead")
+        return None
+
+
+def contiguous(*tensors) -> bool:
+    """The kernels read their tensors as flat rows: every one given must be contiguous."""
+    return all(t.is_contiguous() for t in tensors)
+
+
+@triton.jit
+def _nf4_nested_kernel(packed_ptr, absmax_ptr, table_ptr, out_ptr, n_bytes, n_out,
+                       BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, BLOCK: tl.constexpr):
+    # A byte holds two 4-bit codes, high nibble first; its block's absmax value is its 8-bit code's value times its
+    # group's scale, plus the offset (freetune.kernels.nested_table: 16 + 256 + 1 + the scales).
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < n_bytes
+    byte = tl.load(packed_ptr + offs, mask=inside, other=0).to(tl.int32)
+    block = (offs * 2) // BLOCKSIZE
+    code8 = tl.load(absmax_ptr + block, mask=inside, other=0).to(tl.int32)
+    absmax = tl.load(table_ptr + 16 + code8, mask=inside, other=0.0)
+    absmax = absmax * tl.load(table_ptr + 273 + block // NESTED, mask=inside, other=0.0)
+    absmax = absmax + tl.load(table_ptr + 272)
+    high = tl.load(table_ptr + (byte >> 4), mask=inside, other=0.0) * absmax
+    low = tl.load(table_ptr + (byte & 15), mask=inside, other=0.0) * absmax
+    kind = out_ptr.dtype.element_ty
+    tl.store(out_ptr + 2 * offs, high.to(kind), mask=inside & (2 * offs < n_out))
+    tl.store(out_ptr + 2 * offs + 1, low.to(kind), mask=inside & (2 * offs + 1 < n_out))
+
+
+@triton.jit
+def _kept(mask_ptr, offs, inside, cols, mask_cols):
+    # dropout's keep-mask bit of each element (freetune.kernels.pack_mask: 8 per byte, the lowest bit first), 0 or 1
+    row = offs // cols
+    col = offs % cols
+    bits = tl.load(mask_ptr + row * mask_cols + col // 8, mask=inside, other=0).to(tl.int32)
+    return ((bits >> (col % 8)) & 1).to(tl.float32)
+
+
+@triton.jit
+def _activation_kernel(g_ptr, u_ptr, mask_ptr, out_ptr, n, cols, mask_cols, scale,
+                       HAS_MASK: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < n
+    g = tl.load(g_ptr + offs, mask=inside, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=inside, other=0.0).to(tl.float32)
+    act = g * tl.sigmoid(g) * u
+    if HAS_MASK:
+        act = act * _kept(mask_ptr, offs, inside, cols, mask_cols) * scale
+    tl.store(out_ptr + offs, act.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _swiglu_grads_kernel(g_ptr, u_ptr, d_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < n
+    g = tl.load(g_ptr + offs, mask=inside, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=inside, other=0.0).to(tl.float32)
+    d = tl.load(d_ptr + offs, mask=inside, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(g)
+    silu = g * sig
+    kind = g_ptr.dtype.element_ty
+    tl.store(g_ptr + offs, (d * u * (sig + silu * (1.0 - sig))).to(kind), mask=inside)
+    tl.store(u_ptr + offs, (d * silu).to(kind), mask=inside)
+
+
+@triton.jit
+def _dropped_kernel(x_ptr, mask_ptr, out_ptr, n, cols, mask_cols, scale, ACCUMULATE: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < n
+    x = tl.load(x_ptr + offs, mask=inside, other=0.0).to(tl.float32)
+    x = x * _kept(mask_ptr, offs, inside, cols, mask_cols) * scale
+    if ACCUMULATE:
+        x = x + tl.load(out_ptr + offs, mask=inside, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, x.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _pack_kernel(kept_ptr, out_ptr, n_out, cols, out_cols, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < n_out
+    row = offs // out_cols
+    first = (offs % out_cols) * 8
+    bits = tl.zeros([BLOCK], dtype=tl.int32)
+    for k in tl.static_range(8):
+        col = first + k
+        kept = tl.load(kept_ptr + row * cols + col, mask=inside & (col < cols), other=0).to(tl.int32)
+        bits = bits | (kept << k)
+    tl.store(out_ptr + offs, bits.to(tl.uint8), mask=inside)
+
+
+def _grid(n: int):
+    return (triton.cdiv(max(n, 1), BLOCK),)
+
+
+def dequantize_nf4_nested(packed, absmax, table, blocksize: int, shape, dtype):
+    """The 16-bit weight of a double-quantised NF4 weight (packed codes, 8-bit absmax values, their nested_table)."""
+    out = torch.empty(tuple(shape), dtype=dtype, device=packed.device)
+    n_bytes = packed.numel()
+    # fp contraction off: the absmax value's product and its offset round apart, as in bitsandbytes
+    _nf4_nested_kernel[_grid(n_bytes)](packed, absmax, table, out, n_bytes, out.numel(), BLOCKSIZE=blocksize,
+                                       NESTED=NESTED_BLOCKSIZE, BLOCK=BLOCK, enable_fp_fusion=False)
+    return out
+
+
+def activation(g, u, packed, scale: float):
+    """silu(g) * u, times the packed dropout mask and scale where one is given."""
+    out = torch.empty_like(g)
+    n = g.numel()
+    mask = g if packed is None else packed  # any pointer where there is no mask (never read)
+    _activation_kernel[_grid(n)](g, u, mask, out, n, g.shape[-1], 0 if packed is None else packed.shape[-1],
+                                 float(scale), HAS_MASK=packed is not None, BLOCK=BLOCK)
+    return out
+
+
+def swiglu_grads_(g, u, dact):
+    """d gate over g and d up over u, from the activation's gradient; returns g."""
+    _swiglu_grads_kernel[_grid(g.numel())](g, u, dact, g.numel(), BLOCK=BLOCK)
+    return g
+
+
+def dropped(x, packed, scale: float, out=None):
+    """x times the packed dropout mask and scale; added to `out` in place where given."""
+    n = x.numel()
+    accumulate = out is not None
+    out = torch.empty_like(x) if out is None else out
+    _dropped_kernel[_grid(n)](x, packed, out, n, x.shape[-1], packed.shape[-1], float(scale),
+                              ACCUMULATE=accumulate, BLOCK=BLOCK)
+    return out
+
+
+def pack(kept):
+    """A boolean keep-mask (tokens, n) as bits (tokens, ceil(n / 8)), as freetune.kernels.pack_mask."""
+    tokens, cols = kept.shape
+    out = torch.empty(tokens, -(-cols // 8), dtype=torch.uint8, device=kept.device)
+    _pack_kernel[_grid(out.numel())](kept, out, out.numel(), cols, out.shape[1], BLOCK=BLOCK)
+    return out

@@ -1,0 +1,182 @@
+"""freetune.triton_kernels: each kernel computes what the eager code it replaces computes.
+
+On a CPU the kernels run through Triton's interpreter (TRITON_INTERPRET=1: the same kernel source, each program's
+block of elements as NumPy arrays), so the indexing, masks and arithmetic are checked here; `-k on_a_gpu` runs the
+same comparisons compiled on a GPU (the GPU machine: `pytest tests/test_triton_kernels.py -k on_a_gpu`).
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from freetune import bnb_cpu, fused_mlp, kernels, triton_kernels
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def interpreted(check: str):
+    """Run check("cpu") of this module in a fresh process under Triton's interpreter: TRITON_INTERPRET must be set
+    before triton is first imported (bitsandbytes and transformers import it), and set for this whole test process it
+    would send every CPU test's custom ops through interpreted kernels."""
+    import triton  # noqa: F401  (a dev dependency: these tests need it)
+
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", f"from tests import test_triton_kernels as t; t.{check}('cpu')"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+
+
+def on_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("compiled Triton kernels need a GPU; the interpreter cases cover them on a CPU")
+    return "cuda"
+
+
+def nested_weight(shape, dtype, device, seed=0):
+    """A double-quantised NF4 weight as the compiled layers keep it: packed codes, 8-bit absmax values, their table."""
+    import bitsandbytes.functional as bnbf
+
+    weight = torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype).to(device)
+    packed, state = bnbf.quantize_4bit(weight, quant_type="nf4", compress_statistics=True)
+    absmax, table, spec = kernels.quant_args(state, keep_8bit_absmax=True)
+    return packed, state, absmax, table, spec
+
+
+def check_dequantisation(device):
+    import bitsandbytes.functional as bnbf
+
+    assert triton_kernels.usable(torch.empty(1, device=device))
+
+    bnb_cpu.ensure_correct_dequantize()
+    # an odd element count (the last byte's second code unused), a partial last block, and several nested scales
+    for shape in ((97, 161), (300, 200)):
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            packed, state, absmax, table, spec = nested_weight(shape, dtype, device)
+            assert absmax.dtype == torch.uint8 and table is not None
+            want = bnbf.dequantize_4bit(packed, state)
+            got = triton_kernels.run("dequantize_nf4_nested", packed, absmax, table, spec[0], spec[2], spec[3])
+            assert got.dtype == dtype and got.shape == shape
+            # and what kernels._dequantize does eagerly there (the custom ops' bodies)
+            for out in (got, kernels._dequantize(packed, absmax, spec, table)):
+                if device == "cpu" and dtype == torch.bfloat16:
+                    # Triton's interpreter casts fp32 to bf16 by truncation (NumPy has no bf16), a GPU rounds to
+                    # nearest even as bitsandbytes does: one bf16 step at most here, equal on the GPU
+                    torch.testing.assert_close(out, want, rtol=2**-7, atol=0)
+                else:
+                    assert torch.equal(out, want), (shape, dtype, (out != want).sum())
+    assert not triton_kernels._BROKEN, triton_kernels._BROKEN  # no kernel fell back to the eager code
+
+
+def test_the_dequantisation_is_bitsandbytes_bit_for_bit():
+    """The 4-bit codes and 8-bit absmax values decoded in one kernel give bitsandbytes' weight exactly (its two
+    roundings of the absmax value kept: fp contraction off)."""
+    interpreted("check_dequantisation")
+
+
+def test_the_dequantisation_is_bitsandbytes_bit_for_bit_on_a_gpu():
+    check_dequantisation(on_gpu())
+
+
+def rounding(dtype):
+    return {torch.float16: 2**-10, torch.bfloat16: 2**-7, torch.float32: 1e-6}[dtype]
+
+
+def check_mlp_helpers(device):
+    """The SwiGLU helpers of freetune.fused_mlp through their kernels against the code as written (which rounds to
+    16 bits between its ops, where a kernel rounds once): within a rounding step or two of the dtype."""
+    assert triton_kernels.usable(torch.empty(1, device=device))
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float16, torch.bfloat16):
+        tokens, width = 37, 203  # a width that is no multiple of 8: the packed mask's last byte is partial
+        g, u, d, x = (torch.randn(tokens, width, generator=gen).to(dtype).to(device) for _ in range(4))
+        kept = (torch.rand(tokens, width, generator=gen) > 0.3).to(device)
+        packed = kernels.pack_mask(kept)
+        assert torch.equal(fused_mlp._pack(kept), packed)  # bits: exact
+        scale = 1 / 0.7
+        tol = dict(rtol=2 * rounding(dtype), atol=2 * rounding(dtype))
+        for mask, s in ((None, 0.0), (packed, scale)):
+            got = fused_mlp._activation(g, u, mask, s)
+            want = fused_mlp._activation.eager(g.float(), u.float(), mask, s).to(dtype)
+            torch.testing.assert_close(got, want, **tol)
+        torch.testing.assert_close(fused_mlp._dropped(x, packed, scale),
+                                   fused_mlp._dropped.eager(x.float(), packed, scale).to(dtype), **tol)
+        dx = d.clone()
+        out = fused_mlp._add_dropped_(x, packed, scale, dx)
+        assert out.data_ptr() == dx.data_ptr()  # in place
+        torch.testing.assert_close(dx, fused_mlp._add_dropped_.eager(x.float(), packed, scale, d.float()).to(dtype),
+                                   **tol)
+        gk, uk = g.clone(), u.clone()
+        fused_mlp._swiglu_grads_(gk, uk, d)
+        ge, ue = g.float(), u.float()
+        fused_mlp._swiglu_grads_.eager(ge, ue, d.float())
+        torch.testing.assert_close(gk, ge.to(dtype), **tol)
+        torch.testing.assert_close(uk, ue.to(dtype), **tol)
+        assert not torch.equal(gk, g) and not torch.equal(uk, u)  # written over g and u
+    assert not triton_kernels._BROKEN, triton_kernels._BROKEN
+
+
+def test_the_mlp_helpers_compute_what_the_eager_code_computes():
+    interpreted("check_mlp_helpers")
+
+
+def test_the_mlp_helpers_compute_what_the_eager_code_computes_on_a_gpu():
+    check_mlp_helpers(on_gpu())
+
+
+def check_mlp_backward_op(device):
+    """freetune::swiglu_backward_'s body (the down projection's A gradient and the SwiGLU gradients written over g
+    and u) with the kernels against the same body with the eager code, with and without dropout: the same numbers
+    within 16-bit rounding, on bf16 tensors of a small MLP; and the kernels launched are the ones expected."""
+    bnb_cpu.ensure_correct_dequantize()
+    gen = torch.Generator().manual_seed(1)
+    dtype, tokens, hidden, inter, r = torch.bfloat16, 45, 64, 160, 8
+    packed, _, dabs, dtab, spec = nested_weight((hidden, inter), dtype, device, seed=2)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(device)
+
+    g, u, hg, hu, dy, dh = (rand(tokens, inter), rand(tokens, inter), rand(tokens, r), rand(tokens, r),
+                            rand(tokens, hidden), rand(tokens, r))
+    gb, ub, da = rand(inter, r, scale=0.1), rand(inter, r, scale=0.1), rand(r, inter, scale=0.1)
+    fused_mlp.CHUNK_TOKENS = 16  # several chunks, the last one partial (a process of its own, or restored below)
+    launched, real_run = [], triton_kernels.run
+    triton_kernels.run = lambda name, *a: launched.append(name) or real_run(name, *a)
+    try:
+        for dropout in (0.0, 0.1):
+            md = kernels.pack_mask(torch.rand(tokens, inter, generator=gen).to(device) > dropout) if dropout else None
+
+            def run():
+                gi, ui = g.clone(), u.clone()
+                grad_da = fused_mlp._swiglu_backward_impl(gi, ui, hg, gb, hu, ub, dy, dh, packed, dabs, dtab, da, md,
+                                                          spec[0], spec[1], list(spec[2]), spec[3], [2.0, 2.0],
+                                                          dropout)
+                return grad_da.float(), gi.float(), ui.float()
+
+            triton_kernels._BROKEN["why"] = "the eager code, for comparison"
+            eager = run()
+            triton_kernels._BROKEN.clear()
+            launched.clear()
+            with_kernels = run()
+            assert not triton_kernels._BROKEN, triton_kernels._BROKEN
+            # the down projection's weight once, then per chunk of 16 tokens (3): the activation (its dropout
+            # applied), the dropped LoRA term where there is dropout, the SwiGLU gradients
+            per_chunk = ["activation", "dropped", "swiglu_grads_"] if dropout else ["activation", "swiglu_grads_"]
+            assert launched == ["dequantize_nf4_nested"] + per_chunk * 3
+            for a, b in zip(with_kernels, eager):
+                torch.testing.assert_close(a, b, rtol=0.02, atol=0.02 * b.abs().max().item())
+    finally:
+        triton_kernels.run = real_run
+        fused_mlp.CHUNK_TOKENS = 2048
+
+
+def test_the_mlp_backward_op_gives_the_same_gradients_through_the_kernels():
+    interpreted("check_mlp_backward_op")
+
+
+def test_the_mlp_backward_op_gives_the_same_gradients_through_the_kernels_on_a_gpu():
+    check_mlp_backward_op(on_gpu())
