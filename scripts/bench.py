@@ -694,8 +694,7 @@ def apply_experiments(experiments: dict, shape: ModelShape, local_rank: int) -> 
 
         torch._inductor.config.cpp_wrapper = True
     if experiments.get("combo_kernels"):
-        # inductor's horizontal fusion: independent small kernels of a graph (a layer's 14 casts of its LoRA weights
-        # to the compute dtype, one launch each in a trace) launched as one
+        # inductor's horizontal fusion: independent small kernels of a graph launched as one
         import torch._inductor.config
 
         torch._inductor.config.combo_kernels = True

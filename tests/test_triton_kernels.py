@@ -143,8 +143,8 @@ def check_mlp_backward_op(device):
     g, u, hg, hu, dy, dh = (rand(tokens, inter), rand(tokens, inter), rand(tokens, r), rand(tokens, r),
                             rand(tokens, hidden), rand(tokens, r))
     gb, ub, da = rand(inter, r, scale=0.1), rand(inter, r, scale=0.1), rand(r, inter, scale=0.1)
+    chunk, broken, launched, real_run = fused_mlp.CHUNK_TOKENS, dict(triton_kernels._BROKEN), [], triton_kernels.run
     fused_mlp.CHUNK_TOKENS = 16  # several chunks, the last one partial (a process of its own, or restored below)
-    launched, real_run = [], triton_kernels.run
     triton_kernels.run = lambda name, *a: launched.append(name) or real_run(name, *a)
     try:
         for dropout in (0.0, 0.1):
@@ -171,7 +171,9 @@ def check_mlp_backward_op(device):
                 torch.testing.assert_close(a, b, rtol=0.02, atol=0.02 * b.abs().max().item())
     finally:
         triton_kernels.run = real_run
-        fused_mlp.CHUNK_TOKENS = 2048
+        fused_mlp.CHUNK_TOKENS = chunk
+        triton_kernels._BROKEN.clear()
+        triton_kernels._BROKEN.update(broken)
 
 
 def test_the_mlp_backward_op_gives_the_same_gradients_through_the_kernels():
