@@ -89,7 +89,7 @@ LIKE_FOR_LIKE = ("like", {"lora_dropout": 0, "optimizer": "adamw_8bit"})
 # --variants keys that are not plan fields: experiments on top of freetune's path. The DDP ones change nothing in
 # one process, so a variant made only of them runs under DDP only (compared with freetune's own 1-GPU run).
 EXPERIMENTS = ("liger", "cpp_wrapper", "combo_kernels", "dense_head", "no_packed_check", "pin_cores", "byte_masks",
-               "fp32_absmax", "per_layer_casts", "copied_heads", "trl_empty_cache", "no_triton",
+               "fp32_absmax", "per_layer_casts", "copied_heads", "trl_empty_cache", "no_triton", "inline_dgrad",
                "lora_dropout",
                "ddp_split", "static_graph", "bucket_view", "bucket_mb", "flat_sync")
 DDP_EXPERIMENTS = ("ddp_split", "static_graph", "bucket_view", "bucket_mb", "flat_sync")
@@ -673,7 +673,7 @@ def seen_estimate(plan, shape: ModelShape, tokens: int) -> float | None:
 def apply_experiments(experiments: dict, shape: ModelShape, local_rank: int) -> None:
     """The experiments a --variants run asks for that change freetune's path itself (before the model loads):
     cpp_wrapper, combo_kernels, dense_head, no_packed_check, pin_cores, byte_masks, fp32_absmax, per_layer_casts,
-    copied_heads, trl_empty_cache, no_triton, liger. A GPU worker
+    copied_heads, trl_empty_cache, no_triton, inline_dgrad, liger. A GPU worker
     process runs one configuration, so what they patch is patched for it only (a --tiny run without --spawn runs every
     job in one process: its patches stay for the runs after it)."""
     import torch
@@ -744,6 +744,15 @@ def apply_experiments(experiments: dict, shape: ModelShape, local_rank: int) -> 
         import freetune.kernels
 
         freetune.kernels.triton_for = lambda t: None
+    # A lever for the next session (docs/performance.md, Not done yet): the backward's input gradients d W written
+    # into the compiled graphs, not through freetune::dequantized_mm (fewer op calls; inductor places the
+    # dequantisation, which the op exists to prevent: watch the peak)
+    if experiments.get("inline_dgrad"):
+        import freetune.kernels
+
+        dequantize = freetune.kernels._dequantize
+        freetune.kernels.times_dequantized = (
+            lambda d, packed, absmax, spec, table=None: d @ dequantize(packed, absmax, spec, table))
     if experiments.get("liger"):  # Liger's Triton RMSNorm, SwiGLU and RoPE (not its loss: TRL's head is chunked)
         import liger_kernel.transformers as liger
 
@@ -889,7 +898,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "per_layer_casts=true (each layer casts its own LoRA weights), copied_heads=true (the "
                              "T4 attention's heads copied into parts), trl_empty_cache=true (TRL's offloading "
                              "empties the CUDA cache every micro-batch), no_triton=true (the custom ops' element-wise "
-                             "work without freetune.triton_kernels), "
+                             "work without freetune.triton_kernels), inline_dgrad=true (the backward's input "
+                             "gradients inside the compiled graphs, not through freetune::dequantized_mm), "
                              "lora_dropout=0 (freetune with the peer's LoRA: no dropout; default: the mode's "
                              "recipe's), "
                              "dense_head=true and no_packed_check=true (two host syncs per step removed), "
