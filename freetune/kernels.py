@@ -107,14 +107,20 @@ def _dequantize(packed, absmax, spec, table=None):
     return torch.ops.bitsandbytes.dequantize_4bit.default(packed, absmax, blocksize, quant_type, shape, dtype)
 
 
+_TRITON: dict = {}  # "module": freetune.triton_kernels, or None where Triton is not installed (imported once)
+
+
 def triton_for(t):
     """freetune.triton_kernels where its kernels run on `t`'s device, else None (Triton not installed, a CPU tensor,
     or a launch that failed before): the callers' eager code then."""
-    try:
-        from freetune import triton_kernels
-    except ImportError:
-        return None
-    return triton_kernels if triton_kernels.usable(t) else None
+    if "module" not in _TRITON:
+        try:
+            from freetune import triton_kernels
+        except ImportError:
+            triton_kernels = None
+        _TRITON["module"] = triton_kernels
+    fast = _TRITON["module"]
+    return fast if fast is not None and fast.usable(t) else None
 
 
 def times_dequantized(d, packed, absmax, spec, table=None):

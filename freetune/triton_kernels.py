@@ -31,13 +31,14 @@ from freetune.kernels import NESTED_BLOCKSIZE
 
 _BROKEN: dict = {}  # "why": set once a launch failed; usable() is then False for the process
 BLOCK = 1024        # elements (bytes, for the dequantisation) per program
+# Triton's interpreter (the tests' processes set it before anything imports triton): CPU tensors run the kernels too
+_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def usable(t) -> bool:
     """Whether the kernels here run on `t`'s device: CUDA (or CPU tensors under Triton's interpreter,
     TRITON_INTERPRET=1, for tests), and no launch failed before."""
-    interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    return not _BROKEN and (t.is_cuda or (t.device.type == "cpu" and interpreting))
+    return not _BROKEN and (t.is_cuda or (_INTERPRETING and t.device.type == "cpu"))
 
 
 def run(name: str, *args):
