@@ -348,7 +348,8 @@ def _rows_to_train(train_dataset, eval_dataset, config):
 def _speed_up(trainer, plan: Plan) -> list:
     """What the plan chose beyond the Trainer's settings: the fused LoRA kernel (its LoRA weights cast once per
     forward in one process), the loss head's tiles, the attention kernel (probed now), the input embeddings in host
-    RAM, compiled decoder layers. Returns what to undo after training."""
+    RAM, compiled decoder layers, the garbage collector kept off what the warm-up leaves. Returns what to undo after
+    training."""
     import torch
 
     undo = []
@@ -371,6 +372,11 @@ def _speed_up(trainer, plan: Plan) -> list:
         print0(f"MLP kernel: {fused} of {seen} MLPs {how} (freetune.fused_mlp).")
     overrides.set_loss_tile_tokens(plan.loss_tile_tokens)
     overrides.keep_cuda_cache_between_steps(trainer)
+    from freetune.trainer import GarbageFrozenAfterWarmup
+
+    frozen = GarbageFrozenAfterWarmup()
+    trainer.add_callback(frozen)
+    undo.append(frozen.unfreeze)
     if torch.cuda.is_available() and plan.batching == "padding_free":
         # Probed now, eagerly, in this process (a torchrun rank too): the attention layers only read the result.
         fast.varlen_works(torch.cuda.current_device(), plan.policy)

@@ -21,12 +21,14 @@ The plan (freetune.preflight.Plan) says which batching and sampler; freetune.tra
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 from pathlib import Path
 
 import numpy as np
 import torch
+from transformers import TrainerCallback
 from trl import SFTTrainer
 
 from freetune import overrides
@@ -257,3 +259,36 @@ class FreetuneTrainer(SFTTrainer):
 
 
 overrides.check_overridden(FreetuneTrainer)
+
+
+class GarbageFrozenAfterWarmup(TrainerCallback):
+    """Python's cyclic garbage collector kept off what exists once the first steps of this session are over.
+
+    torch.compile leaves hundreds of thousands of long-lived objects behind (graphs, guards, generated code, Triton's
+    launchers). Every full collection walks all of them, at a step nobody chose, and stops the training threads for
+    a visible fraction of a step on a host-bound card. After `warmup_steps` (the layers compiled) one collection
+    clears what the warm-up left, and gc.freeze moves every survivor out of the collector's generations: later
+    collections walk only what the steps themselves make. Reference counting frees as before; only cycles among the
+    frozen objects wait for `unfreeze` (at the end of training, or freetune.train's undo after an error)."""
+
+    def __init__(self, warmup_steps: int = 2):
+        self.warmup_steps, self.first_step, self.frozen = warmup_steps, None, False
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.first_step is None:
+            self.first_step = state.global_step  # 0, or the checkpoint's step after a resume
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if not self.frozen and state.global_step - self.first_step >= self.warmup_steps:
+            gc.collect()
+            gc.freeze()
+            self.frozen = True
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.unfreeze()
+
+    def unfreeze(self) -> None:
+        if self.frozen:
+            gc.unfreeze()
+            self.frozen = False
+

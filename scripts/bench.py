@@ -51,7 +51,10 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+if not __package__:  # run as a file (python scripts/bench.py): its sibling modules by the package's name
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from freetune.memory import KNOWN_SHAPES, ModelShape
+from scripts.gc_pauses import GcPauses
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -90,7 +93,7 @@ LIKE_FOR_LIKE = ("like", {"lora_dropout": 0, "optimizer": "adamw_8bit"})
 # one process, so a variant made only of them runs under DDP only (compared with freetune's own 1-GPU run).
 EXPERIMENTS = ("liger", "cpp_wrapper", "combo_kernels", "dense_head", "no_packed_check", "pin_cores", "byte_masks",
                "fp32_absmax", "per_layer_casts", "copied_heads", "trl_empty_cache", "no_triton", "inline_dgrad",
-               "lora_dropout",
+               "skip_guards", "no_asserts", "gc_unfrozen", "lora_dropout",
                "ddp_split", "static_graph", "bucket_view", "bucket_mb", "flat_sync")
 DDP_EXPERIMENTS = ("ddp_split", "static_graph", "bucket_view", "bucket_mb", "flat_sync")
 
@@ -514,6 +517,7 @@ def _timer_class():
             self.cuda, self.rank, self.sampler = cuda, rank, sampler
             self.marks, self.threads_at_warmup, self.busiest = {}, None, []
             self.phases, self.begin, self.pre_optimizer, self.end = [], None, None, None
+            self.gc = GcPauses()
 
         def on_step_begin(self, args, state, control, **kwargs):
             self.begin = time.perf_counter()
@@ -533,9 +537,11 @@ def _timer_class():
                 self.marks[state.global_step] = time.perf_counter()
                 if state.global_step == warmup:
                     self.threads_at_warmup = thread_cpu()
+                    self.gc.start()
                     if self.sampler is not None:
                         self.sampler.start()
                 elif self.threads_at_warmup is not None:
+                    self.gc.stop()
                     if self.sampler is not None:
                         self.sampler.stop()
                     self.busiest = thread_cpu_between(self.threads_at_warmup, thread_cpu())
@@ -548,6 +554,8 @@ def _timer_class():
                                                                for n, c, p in self.busiest), flush=True)
             print(f"rank {self.rank}: host ms per measured step, median (max): " + ", ".join(
                 f"{name} {ms[0]:.1f} ({ms[1]:.1f})" for name, ms in self.phase_summary().items()), flush=True)
+            print(f"rank {self.rank}: garbage collections over the measured steps (count, total ms, longest ms): "
+                  f"{self.gc.summary()}", flush=True)
 
         def phase_summary(self) -> dict:
             """Median and max host milliseconds per step of: forward + backward (and the syncs inside them), the
@@ -647,6 +655,7 @@ def host_and_memory(timer, cuda: bool) -> dict:
         out["thread_cpu_s"] = timer.busiest
     if timer.phases:
         out["host_phase_ms"] = timer.phase_summary()
+        out["gc_pauses"] = timer.gc.summary()
     if cuda:
         out["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
         out["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 3)
@@ -673,7 +682,7 @@ def seen_estimate(plan, shape: ModelShape, tokens: int) -> float | None:
 def apply_experiments(experiments: dict, shape: ModelShape, local_rank: int) -> None:
     """The experiments a --variants run asks for that change freetune's path itself (before the model loads):
     cpp_wrapper, combo_kernels, dense_head, no_packed_check, pin_cores, byte_masks, fp32_absmax, per_layer_casts,
-    copied_heads, trl_empty_cache, no_triton, inline_dgrad, liger. A GPU worker
+    copied_heads, trl_empty_cache, no_triton, inline_dgrad, skip_guards, no_asserts, gc_unfrozen, liger. A GPU worker
     process runs one configuration, so what they patch is patched for it only (a --tiny run without --spawn runs every
     job in one process: its patches stay for the runs after it)."""
     import torch
@@ -753,6 +762,34 @@ def apply_experiments(experiments: dict, shape: ModelShape, local_rank: int) -> 
         dequantize = freetune.kernels._dequantize
         freetune.kernels.times_dequantized = (
             lambda d, packed, absmax, spec, table=None: d @ dequantize(packed, absmax, spec, table))
+    # Two more host costs of every compiled layer call (tenth session):
+    if experiments.get("skip_guards"):
+        # dynamo checks each compiled layer's guards (~900 on a LoRA decoder layer) at every call; after the warm-up
+        # steps (both graphs compiled: the first layer's input needs no gradient) only the guards that tell the cached
+        # graphs apart. Unsafe in general (a change no checked guard sees runs the wrong graph): bench runs train only.
+        import freetune.trainer
+
+        step = freetune.trainer.FreetuneTrainer.training_step
+        calls = [0]
+
+        def training_step(self, *args, **kwargs):
+            calls[0] += 1
+            warm = calls[0] > 2 * self.args.gradient_accumulation_steps
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=warm):
+                return step(self, *args, **kwargs)
+
+        freetune.trainer.FreetuneTrainer.training_step = training_step
+    if experiments.get("no_asserts"):  # the compiled graphs' wrapper code checks every input's size and stride per call
+        import torch._inductor.config
+
+        torch._inductor.config.size_asserts = False
+        torch._inductor.config.scalar_asserts = False
+        if hasattr(torch._inductor.config, "alignment_asserts"):
+            torch._inductor.config.alignment_asserts = False
+    if experiments.get("gc_unfrozen"):  # the garbage collector walks every object at its full collections, as before
+        import freetune.trainer
+
+        freetune.trainer.GarbageFrozenAfterWarmup.on_step_end = lambda self, *args, **kwargs: None
     if experiments.get("liger"):  # Liger's Triton RMSNorm, SwiGLU and RoPE (not its loss: TRL's head is chunked)
         import liger_kernel.transformers as liger
 
@@ -900,6 +937,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "empties the CUDA cache every micro-batch), no_triton=true (the custom ops' element-wise "
                              "work without freetune.triton_kernels), inline_dgrad=true (the backward's input "
                              "gradients inside the compiled graphs, not through freetune::dequantized_mm), "
+                             "skip_guards=true (after two steps dynamo checks only the guards that tell the layers' "
+                             "graphs apart), no_asserts=true (no size/stride checks in the compiled graphs' "
+                             "wrappers), gc_unfrozen=true (no gc.freeze after the warm-up), "
                              "lora_dropout=0 (freetune with the peer's LoRA: no dropout; default: the mode's "
                              "recipe's), "
                              "dense_head=true and no_packed_check=true (two host syncs per step removed), "

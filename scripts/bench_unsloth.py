@@ -47,6 +47,8 @@ import time
 import traceback
 from pathlib import Path
 
+from gc_pauses import GcPauses  # scripts/, this file's folder (the peer's process has no freetune on its path)
+
 LORA_RANK = 16
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # run -> (get_peft_model's use_gradient_checkpointing, SFTConfig's padding_free)
@@ -154,14 +156,15 @@ def count_tokens(trainer, max_length: int) -> list[tuple[int, int]]:
 
 def marks_callback(warmup: int, total: int, cuda: bool):
     """A TrainerCallback that notes the wall time (GPU drained) and dynamo's graph count at the end of the warm-up
-    and of the last measured step, as bench.py's Timer does for its runs."""
+    and of the last measured step, and the garbage collector's pauses in between, as bench.py's Timer does for its
+    runs."""
     import torch
     from torch._dynamo.utils import counters
     from transformers import TrainerCallback
 
     class Marks(TrainerCallback):
         def __init__(self):
-            self.time, self.graphs = {}, {}
+            self.time, self.graphs, self.gc = {}, {}, GcPauses()
 
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step in (warmup, total):
@@ -169,6 +172,7 @@ def marks_callback(warmup: int, total: int, cuda: bool):
                     torch.cuda.synchronize()
                 self.time[state.global_step] = time.perf_counter()
                 self.graphs[state.global_step] = counters["stats"]["unique_graphs"]
+                (self.gc.start if state.global_step == warmup else self.gc.stop)()
 
     return Marks()
 
@@ -323,6 +327,7 @@ def run(job: dict) -> dict:
         "sampler": "random", **what_unsloth_did(model, trainer), "attention": short, "attention_detail": detail,
         "attention_calls": calls, "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
         **rates(marks, tokens, warmup, total), "logging_steps": trainer.args.logging_steps,
+        "gc_pauses": marks.gc.summary(),
         "losses": [round(h["loss"], 4) for h in trainer.state.log_history if "loss" in h],
         "load_peak": load_peak, **memory, "versions": {**versions, "torch": torch.__version__},
         **({"gpu": torch.cuda.get_device_name(0)} if cuda else {}),

@@ -169,3 +169,51 @@ def test_the_trainer_walks_the_model_once_for_its_flops_estimate_and_its_gradien
         assert torch.equal(norm, want_norm) and want_norm > config.max_grad_norm
         assert all(torch.equal(a, b) for a, b in zip(got, want_grads))
     assert len(walks) == 1  # the trainable parameters listed once
+
+
+def test_the_garbage_collector_is_kept_off_what_the_warm_up_left_until_training_ends():
+    """GarbageFrozenAfterWarmup: nothing changes during the warm-up steps (counted from the session's first step, a
+    resumed one's too); then the cyclic garbage of the warm-up is collected and every survivor frozen (out of the
+    collector's generations: later full collections do not walk it); at the end of training all of it is unfrozen."""
+    import gc
+    import weakref
+    from types import SimpleNamespace
+
+    from freetune.trainer import GarbageFrozenAfterWarmup
+
+    class Node:
+        pass
+
+    def in_generations(obj) -> bool:
+        return any(o is obj for o in gc.get_objects())
+
+    assert gc.get_freeze_count() == 0
+    frozen = GarbageFrozenAfterWarmup(warmup_steps=2)
+    state = SimpleNamespace(global_step=40)  # resumed at step 40
+    was_enabled = gc.isenabled()
+    gc.disable()  # no automatic collection in between: the cycle below stays until a collection is asked for
+    try:
+        frozen.on_step_begin(None, state, None)
+        garbage = Node()
+        garbage.cycle = garbage
+        collected = weakref.ref(garbage)
+        del garbage
+        kept = Node()
+        kept.cycle = kept
+        state.global_step = 41
+        frozen.on_step_end(None, state, None)
+        frozen.on_step_begin(None, state, None)
+        assert gc.get_freeze_count() == 0 and collected() is not None and in_generations(kept)
+        state.global_step = 42
+        frozen.on_step_end(None, state, None)
+        assert collected() is None  # the warm-up's garbage was collected, not frozen
+        assert gc.get_freeze_count() > 0 and not in_generations(kept)
+        frozen.on_step_end(None, SimpleNamespace(global_step=43), None)  # once only
+        frozen.on_train_end(None, state, None)
+        assert gc.get_freeze_count() == 0 and in_generations(kept)
+        frozen.unfreeze()  # freetune.train's undo after training: nothing left to do
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc.unfreeze()
+        if was_enabled:
+            gc.enable()
