@@ -16,7 +16,8 @@ pins in pyproject.toml). The library's other internals freetune touches are in f
   _run_epoch, _load_from_checkpoint, _load_optimizer_and_scheduler);
 - no walk over every module of the model at every step: the parameter count of the FLOPs estimate counted once
   (floating_point_ops), the gradient clipping given the trainable parameters (_clip_grad_norm).
-The plan (freetune.preflight.Plan) says which batching and sampler; freetune.train.train builds this trainer.
+The plan (freetune.preflight.Plan) says which batching and sampler; freetune.train.train builds this trainer and adds
+GarbageFrozenAfterWarmup (below), a callback that keeps Python's garbage collector off what the first steps leave.
 """
 
 from __future__ import annotations

@@ -208,7 +208,12 @@ def test_the_garbage_collector_is_kept_off_what_the_warm_up_left_until_training_
         frozen.on_step_end(None, state, None)
         assert collected() is None  # the warm-up's garbage was collected, not frozen
         assert gc.get_freeze_count() > 0 and not in_generations(kept)
-        frozen.on_step_end(None, SimpleNamespace(global_step=43), None)  # once only
+        later = Node()
+        later.cycle = later
+        later_collected = weakref.ref(later)
+        del later
+        frozen.on_step_end(None, SimpleNamespace(global_step=43), None)
+        assert later_collected() is not None  # once only: no collection at the later steps
         frozen.on_train_end(None, state, None)
         assert gc.get_freeze_count() == 0 and in_generations(kept)
         frozen.unfreeze()  # freetune.train's undo after training: nothing left to do
