@@ -753,9 +753,9 @@ def apply_experiments(experiments: dict, shape: ModelShape, local_rank: int) -> 
         import freetune.kernels
 
         freetune.kernels.triton_for = lambda t: None
-    # A lever for the next session (docs/performance.md, Not done yet): the backward's input gradients d W written
-    # into the compiled graphs, not through freetune::dequantized_mm (fewer op calls; inductor places the
-    # dequantisation, which the op exists to prevent: watch the peak)
+    # The backward's input gradients d W written into the compiled graphs, not through freetune::dequantized_mm
+    # (fewer op calls; inductor places the dequantisation, which the op exists to prevent: watch the peak; the
+    # tenth session's result is in docs/performance.md)
     if experiments.get("inline_dgrad"):
         import freetune.kernels
 
@@ -770,12 +770,9 @@ def apply_experiments(experiments: dict, shape: ModelShape, local_rank: int) -> 
         import freetune.trainer
 
         step = freetune.trainer.FreetuneTrainer.training_step
-        calls = [0]
 
         def training_step(self, *args, **kwargs):
-            calls[0] += 1
-            warm = calls[0] > 2 * self.args.gradient_accumulation_steps
-            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=warm):
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=self.state.global_step >= 2):
                 return step(self, *args, **kwargs)
 
         freetune.trainer.FreetuneTrainer.training_step = training_step

@@ -172,7 +172,10 @@ def marks_callback(warmup: int, total: int, cuda: bool):
                     torch.cuda.synchronize()
                 self.time[state.global_step] = time.perf_counter()
                 self.graphs[state.global_step] = counters["stats"]["unique_graphs"]
-                (self.gc.start if state.global_step == warmup else self.gc.stop)()
+                if state.global_step == warmup:
+                    self.gc.start()
+                else:
+                    self.gc.stop()
 
     return Marks()
 
