@@ -26,10 +26,14 @@ class AlignedPaddingFree:
     recompiles, mid-run, for seconds each (seen on an H200: one step in four slowed several times over).
     Always aligned, one graph serves every step. TRL's own pad_to_multiple_of pads with position 0 only, which
     makes every pad token a row of its own. At most PAD_TO - 1 tokens a micro-batch; their count travels in the
-    batch under PAD_KEY for the token metrics; the trainer takes it out before the model sees the batch."""
+    batch under PAD_KEY for the token metrics; the trainer takes it out before the model sees the batch.
 
-    def __init__(self, collator, multiple: int = PAD_TO):
-        self.collator, self.multiple = collator, multiple
+    multiple: a larger one (a whole micro-batch's worth of tokens) makes every batch the same length, as
+    freetune.graphed_layers' CUDA graphs need; max_row then splits the padding into rows of at most that many tokens
+    (the longest row the attention kernel is told of)."""
+
+    def __init__(self, collator, multiple: int = PAD_TO, max_row: int | None = None):
+        self.collator, self.multiple, self.max_row = collator, multiple, max_row
 
     def __getattr__(self, name):  # padding_free, pad_token_id, ...: what callers read from TRL's collator
         if name == "collator" or name.startswith("__"):  # not set yet (a copy or unpickling): no endless lookup
@@ -49,16 +53,31 @@ class AlignedPaddingFree:
         def extend(key, values):
             out[key] = torch.cat([out[key], values.to(out[key].dtype).reshape(1, -1)], dim=1)
 
+        rows = pad_rows(pad, self.max_row)
         extend("input_ids", torch.full((pad,), self.collator.pad_token_id))
         extend("labels", torch.full((pad,), -100))
-        extend("position_ids", torch.arange(pad))
+        extend("position_ids", torch.cat([torch.arange(n) for n in rows]))
         if "seq_idx" in out:
-            extend("seq_idx", torch.full((pad,), int(out["seq_idx"].max()) + 1))
+            first = int(out["seq_idx"].max()) + 1
+            extend("seq_idx", torch.cat([torch.full((n,), first + j) for j, n in enumerate(rows)]))
         if "cu_seq_lens_q" in out:
-            cu = torch.cat([out["cu_seq_lens_q"], out["cu_seq_lens_q"].new_tensor([length + pad])])
+            ends = torch.tensor(rows).cumsum(0) + length
+            cu = torch.cat([out["cu_seq_lens_q"], ends.to(out["cu_seq_lens_q"].dtype)])
             out["cu_seq_lens_q"] = out["cu_seq_lens_k"] = cu
-            out["max_length_q"] = out["max_length_k"] = max(out["max_length_q"], pad)
+            out["max_length_q"] = out["max_length_k"] = max(out["max_length_q"], max(rows))
         return out
+
+
+def pad_rows(pad: int, max_row: int | None = None) -> list[int]:
+    """The lengths of the rows that make up `pad` padding tokens: one row, or rows of at most max_row tokens."""
+    if not max_row or pad <= max_row:
+        return [pad]
+    return [max_row] * (pad // max_row) + ([pad % max_row] if pad % max_row else [])
+
+
+def most_rows(micro_batch: int, multiple: int, max_row: int) -> int:
+    """The most rows one padded padding-free batch holds: its own and the padding's."""
+    return micro_batch + len(pad_rows(multiple - 1, max_row))
 
 
 def padding_stats(batch) -> dict:

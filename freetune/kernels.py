@@ -378,7 +378,7 @@ def use_fused_lora(model, keep_8bit_absmax: bool = False) -> tuple[int, int]:
     return fused, seen
 
 
-def cast_adapters_once_per_forward(model):
+def cast_adapters_once_per_forward(model, same_buffers: bool = False):
     """Cast every fused layer's LoRA weights to the compute dtype once per training forward of `model`, all in one
     go, instead of inside each layer; returns what undoes it (call it after training), or None where no layer is
     fused.
@@ -394,7 +394,10 @@ def cast_adapters_once_per_forward(model):
     One process only (train() asks): under DDP every gradient would reach its parameter at the very end of the
     backward, and the all-reduce of the first buckets could no longer overlap the rest of the backward. The 16-bit
     copies stay alive from the forward to the end of the backward (2 bytes per LoRA weight, counted by
-    freetune.memory.estimate)."""
+    freetune.memory.estimate).
+
+    same_buffers: the copies written into the same buffers at every forward (freetune.graphed_layers' CUDA graphs read
+    them at fixed addresses); they then stay allocated between steps."""
     layers, adapters = [], []
     for module in model.modules():
         if getattr(module, FUSED_ATTR, False):
@@ -420,17 +423,19 @@ def cast_adapters_once_per_forward(model):
         # The weights read again at every forward, not kept from above: a resumed run's loading may replace them.
         weights = [w for layer, adapter in zip(layers, adapters)
                    for w in (layer.lora_A[adapter].weight, layer.lora_B[adapter].weight)]
-        cast = cast_fn.apply(layers, compute, *weights)
+        cast = cast_fn.apply(layers, compute, buffers if same_buffers else None, *weights)
         for t in cast:  # fixed sizes, as the parameters they copy: a token count equal to one must not specialise
             torch._dynamo.mark_static(t)
         for i, layer in enumerate(layers):
             setattr(layer, ADAPTER_16BIT_ATTR, (cast[2 * i], cast[2 * i + 1]))
         return None
 
+    buffers = []  # same_buffers: the copies' storage, made at the first forward
     handle = model.register_forward_pre_hook(cast_before_forward)
 
     def undo():
         handle.remove()
+        buffers.clear()
         for layer in layers:  # a step stopped between its forward and its backward left its copies there
             setattr(layer, ADAPTER_16BIT_ATTR, None)
 
@@ -444,12 +449,19 @@ def _cast_function():
         """fp32 LoRA weights -> 16-bit copies, one multi-tensor copy each way."""
 
         @staticmethod
-        def forward(ctx, layers, dtype, *weights):
+        def forward(ctx, layers, dtype, buffers, *weights):
             ctx.layers, ctx.dtypes = layers, [w.dtype for w in weights]
             ctx.set_materialize_grads(False)  # a weight no layer used gets no gradient, not a zero one
-            out = [torch.empty_like(w, dtype=dtype) for w in weights]
+            if buffers is None or len(buffers) != len(weights) or any(
+                    b.shape != w.shape or b.dtype != dtype for b, w in zip(buffers, weights)):
+                out = [torch.empty_like(w, dtype=dtype) for w in weights]
+                if buffers is not None:
+                    buffers[:] = out
+            else:
+                out = buffers
             torch._foreach_copy_(out, list(weights))
-            return tuple(out)
+            # New tensor objects over the same storage: autograd makes each forward's outputs its own.
+            return tuple(t.detach() for t in out) if buffers is not None else tuple(out)
 
         @staticmethod
         def backward(ctx, *grads):
@@ -462,7 +474,7 @@ def _cast_function():
             full = [None] * len(grads)
             for i, g in zip(have, out):
                 full[i] = g
-            return (None, None, *full)
+            return (None, None, None, *full)
 
     return CastAdapters
 

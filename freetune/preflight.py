@@ -229,6 +229,9 @@ class Plan:
     # "chunked" (the same as one op over token chunks) | "layers" (each projection on its own)
     mlp_kernel: str = "layers"
     embeddings_on_host: bool = False  # the input embedding table in host RAM while training (freetune.host_embeddings)
+    # > 0: the checkpointed layers' forward and backward replayed as CUDA graphs, padding-free batches padded to a
+    # multiple of this many tokens (freetune.graphed_layers); 0: off
+    cuda_graph_tokens: int = 0
     asked: dict = field(default_factory=dict)  # make_plan's arguments (hardware apart), for replan
     memory: MemoryEstimate | None = None
     machine: str = ""

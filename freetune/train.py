@@ -20,7 +20,7 @@ import time
 import warnings
 from pathlib import Path
 
-from freetune import checkpoint, fast, fused_mlp, host_embeddings, kernels, overrides, tracking
+from freetune import checkpoint, fast, fused_mlp, graphed_layers, host_embeddings, kernels, overrides, tracking
 from freetune import params as param_rules  # not `params`: make_config takes a recipe's parameters under that name
 from freetune.batching import PAD_TO
 from freetune.choices import choose_optimizer
@@ -353,18 +353,23 @@ def _speed_up(trainer, plan: Plan) -> list:
     import torch
 
     undo = []
-
+    once = None
     if plan.sampler == "rank_balanced" and trainer.args.world_size > 1:
         print0(f"Sampler: each optimizer step's rows are dealt to the {trainer.args.world_size} ranks by length, "
                f"equal tokens per rank (freetune.sampler.RankBalancedSampler).")
     if plan.lora_kernel == "fused":
         fused, seen = kernels.use_fused_lora(
             trainer.model, keep_8bit_absmax=keeps_8bit_absmax(plan.lora_kernel, plan.compile, plan.mlp_kernel))
-        once = trainer.args.world_size == 1 and kernels.cast_adapters_once_per_forward(trainer.model)
+        once = trainer.args.world_size == 1 and kernels.cast_adapters_once_per_forward(
+            trainer.model, same_buffers=bool(plan.cuda_graph_tokens))  # graphs read them at fixed addresses
         if once:
             undo.append(once)
         print0(f"LoRA kernel: fused on {fused} of {seen} LoRA layers (freetune.kernels)"
                + ("; their weights cast to 16 bits once per forward, all together." if once else "."))
+    if plan.cuda_graph_tokens:
+        graphs = graphed_layers.callback(plan, cast_once=bool(plan.lora_kernel == "fused" and once))
+        trainer.add_callback(graphs)
+        undo.append(graphs.remove)
     if plan.mlp_kernel in ("chunked", "traced"):
         fused, seen = fused_mlp.use_fused_mlp(trainer.model, kernel=plan.mlp_kernel)
         how = (f"in chunks of {fused_mlp.CHUNK_TOKENS} tokens" if plan.mlp_kernel == "chunked"

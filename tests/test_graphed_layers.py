@@ -1,0 +1,152 @@
+"""freetune.graphed_layers: freetune's own checkpoint of the decoder layers, replayed as CUDA graphs on a GPU.
+
+On a CPU the same checkpoint runs without graphs (the buffers, the stored inputs, the padded row boundaries and the
+16-bit LoRA weights' buffers all as on a GPU): its loss and gradients are transformers' checkpoint's. On a GPU the
+graphs are recorded at the second batch of a token count and replayed after: the losses and gradients are those of
+the same compiled layers under transformers' checkpoint.
+"""
+
+import pytest
+import torch
+
+from freetune import batching, graphed_layers, kernels
+from test_kernels import quantized_lora_model
+
+
+def packed_batch(lengths, pad_to, max_row, vocab=500, seed=0, device="cpu"):
+    """A padding-free batch as TRL's collator and batching.AlignedPaddingFree make it: rows of `lengths` tokens, then
+    padding rows (labels -100) up to a multiple of pad_to tokens, none longer than max_row."""
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    generator = torch.Generator().manual_seed(seed)
+    rows = [{"input_ids": torch.randint(3, vocab, (n,), generator=generator).tolist()} for n in lengths]
+    collator = batching.AlignedPaddingFree(DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True),
+                                           multiple=pad_to, max_row=max_row)
+    batch = collator(rows)
+    batch.pop(batching.PAD_KEY)
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def test_padding_free_batches_pad_to_a_fixed_length_in_rows_no_longer_than_max_row():
+    batch = packed_batch([30, 50, 20], pad_to=256, max_row=64)
+    assert batch["input_ids"].shape == (1, 256)
+    pad_rows = batching.pad_rows(256 - 100, 64)
+    assert pad_rows == [64, 64, 28]
+    cu = batch["cu_seq_lens_q"].tolist()
+    assert cu == [0, 30, 80, 100, 164, 228, 256]
+    assert batch["max_length_q"] == 64
+    positions = batch["position_ids"][0].tolist()
+    assert positions[100:164] == list(range(64)) and positions[228:] == list(range(28))
+    assert (batch["labels"][0, 100:] == -100).all() and (batch["labels"][0, 1:30] != -100).all()
+    assert batching.most_rows(3, 256, 64) == 3 + 4  # 255 padding tokens at most: four rows
+    assert len(cu) - 1 <= batching.most_rows(3, 256, 64)
+    # Without max_row the padding stays one row (the default, alignment to 8).
+    assert batching.pad_rows(5) == [5] and batching.pad_rows(130, 64) == [64, 64, 2]
+
+
+def graphed_model(model_dir, dtype, device="cpu", graphs=True, max_tokens=256, max_row=64, max_rows=8,
+                  same_buffers=True):
+    model = quantized_lora_model(model_dir, dtype).to(device)
+    model.get_base_model().gradient_checkpointing_enable({"use_reentrant": False})
+    kernels.use_fused_lora(model)
+    assert kernels.cast_adapters_once_per_forward(model, same_buffers=same_buffers) is not None
+    graphed = graphed_layers.GraphedLayers(model, max_tokens=max_tokens, max_row=max_row, max_rows=max_rows,
+                                           graphs=graphs, fixed_pairs=True)
+    return model, graphed
+
+
+def step(model, batch, autocast_dtype=None):
+    device = batch["input_ids"].device.type
+    with torch.autocast(device, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        out = model(**batch)
+    out.loss.backward()
+    grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad()
+    return out.loss.item(), grads
+
+
+def test_the_checkpoint_trains_like_transformers_checkpoint_on_a_cpu(tiny_model_dir):
+    """Three batches, the second and third of the same length (what records and replays graphs on a GPU): every
+    loss and gradient equals transformers' checkpoint's on the same model. Layer i's input buffer is overwritten by
+    layer i + 1's output, so a gradient comes out right only if the stored inputs came back."""
+    reference, _ = graphed_model(tiny_model_dir, torch.float32, same_buffers=False)  # as without graphs
+    model, graphed = graphed_model(tiny_model_dir, torch.float32)
+    layers = graphed_layers.decoder_layers(model)
+    transformers_own = [layer._gradient_checkpointing_func for layer in layers]
+    assert graphed.install() == len(layers) > 1
+    assert all(layer._gradient_checkpointing_func.func == graphed._checkpoint for layer in layers)
+    for seed, lengths in enumerate([(40, 70, 30), (64, 64, 20, 12), (10, 90, 33)]):
+        batch = packed_batch(lengths, pad_to=256, max_row=64, seed=seed)
+        want = step(reference, batch)
+        got = step(model, batch)
+        assert got[0] == pytest.approx(want[0], rel=1e-6)
+        assert got[1].keys() == want[1].keys()
+        for name, grad in want[1].items():
+            assert torch.allclose(got[1][name], grad, rtol=1e-4, atol=1e-7), name
+    assert sorted(graphed.shapes) == [256] and graphed.shapes[256].batches == 3
+    # The row boundaries were padded with empty rows to the fixed count, the longest row set to max_row.
+    rows = graphed.shapes[256].kwargs["cu_seq_lens_q"]
+    assert rows.tolist() == [0, 10, 100, 133, 197, 256, 256, 256, 256]
+    assert graphed.shapes[256].kwargs["max_length_q"] == 64
+    assert graphed.recorded == 0  # no graphs without a GPU
+    # An evaluation forward (no gradient) and removal leave transformers' checkpoint in place.
+    model.eval()
+    with torch.no_grad():
+        model(**packed_batch((20, 30), pad_to=256, max_row=64))
+    model.train()
+    graphed.remove()
+    assert [layer._gradient_checkpointing_func for layer in layers] == transformers_own
+
+
+def test_a_batch_with_more_rows_than_the_buffers_hold_is_refused_with_the_count(tiny_model_dir):
+    model, graphed = graphed_model(tiny_model_dir, torch.float32, max_rows=3)
+    graphed.install()
+    with pytest.raises(ValueError, match="6 rows in one batch, more than the 3"):
+        step(model, packed_batch((40, 40, 40), pad_to=256, max_row=64))
+
+
+def test_where_the_graphs_do_not_apply_the_plan_is_told_why(tiny_model_dir):
+    from types import SimpleNamespace
+
+    model, _ = graphed_model(tiny_model_dir, torch.float32)
+    plan = SimpleNamespace(device="cuda", batching="padding_free")
+    assert graphed_layers.why_not(model, plan, world_size=1, cast_once=True) is None
+    assert graphed_layers.why_not(model, plan, world_size=2, cast_once=False) == (
+        "more than one process; LoRA weights not cast once per forward (fused LoRA layers in one process)")
+    dropout = quantized_lora_model(tiny_model_dir, torch.float32, dropout=0.05)
+    dropout.get_base_model().gradient_checkpointing_enable({"use_reentrant": False})
+    assert "dropout 0.05" in graphed_layers.why_not(dropout, plan, world_size=1, cast_once=True)
+    model.get_base_model().gradient_checkpointing_disable()
+    assert graphed_layers.why_not(model, SimpleNamespace(device="cpu", batching="padded"), 1, True) == (
+        "no GPU; batches that are not padding-free; not every decoder layer checkpointed")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_the_graphs_replay_what_transformers_checkpoint_computes_on_a_gpu(tiny_model_dir):
+    """Compiled layers (inductor) in fp16 autocast under transformers' checkpoint, and the same under this one: the
+    first batch runs without graphs, the next of each token count (256 or 512) records them, the later ones replay
+    them; every loss and gradient agrees (fp16: to its rounding), batches with fewer rows (empty rows padded) too."""
+    torch.manual_seed(0)
+    reference, _ = graphed_model(tiny_model_dir, torch.float16, device="cuda", same_buffers=False)
+    model, graphed = graphed_model(tiny_model_dir, torch.float16, device="cuda", max_tokens=512)
+    for m in (reference, model):
+        kernels.compile_layers(m)
+    graphed.install()
+    batches = [(40, 70, 30), (64, 64, 20, 12), (10, 90, 33), (100, 50), (200, 100), (150, 150, 10)]
+    for seed, lengths in enumerate(batches):
+        batch = packed_batch(lengths, pad_to=256, max_row=64, seed=seed, device="cuda")  # 256 or 512 tokens
+        want = step(reference, batch, torch.float16)
+        got = step(model, batch, torch.float16)
+        assert got[0] == pytest.approx(want[0], rel=2e-3), (seed, got[0], want[0])
+        for name, grad in want[1].items():
+            scale = grad.abs().max().item() + 1e-6
+            assert (got[1][name] - grad).abs().max().item() <= 2e-2 * scale, (seed, name)
+    layers = len(graphed.layers)
+    assert sorted(graphed.shapes) == [256, 512]
+    for shape in graphed.shapes.values():
+        assert shape.failed is None, shape.failed
+        assert len(shape.forward_graphs) == len(shape.backward_graphs) == layers
+    # The first batch ran without graphs; each count's first batch after it recorded its graphs, once.
+    assert graphed.recorded == 2 * 2 * layers
+    kernels.uncompile_layers(model)
+    kernels.uncompile_layers(reference)
