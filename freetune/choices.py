@@ -295,6 +295,39 @@ def choose_loss_tile(common: dict) -> tuple[int, str]:
                                     f"layer is checkpointed, and a tile of logits is a real share of the memory")
 
 
+# With CUDA graphs the loss head's tiles are smaller: the graphs' buffers are paid for there (and by 8-bit AdamW).
+GRAPHS_LOSS_TILE_TOKENS = 512
+
+
+def choose_cuda_graphs(common: dict, layout: str, lora_dropout: float | None) -> tuple[bool, str]:
+    """(replay the checkpointed decoder layers as CUDA graphs?, why): freetune.graphed_layers, where every layer is
+    checkpointed in one CUDA process with fused, compiled LoRA layers, padding-free rows and no dropout.
+    lora_dropout None: no padding-free rows on this machine."""
+    if common.get("device") != "cuda":
+        return False, "off: a CPU run"
+    needs = [(lora_dropout is not None, "padding-free rows (a variable-length attention kernel)"),
+             (layout == "single" and common.get("world_size", 1) == 1, "one process"),
+             (every_layer_checkpointed(common), "every layer checkpointed"),
+             (common.get("lora_kernel") == "fused", "fused LoRA layers"),
+             (bool(common.get("compiled")), "compiled layers"),
+             (not lora_dropout, "LoRA dropout 0 (a replayed recompute would draw other random numbers)")]
+    missing = [what for ok, what in needs if not ok]
+    if missing:
+        return False, "off: they need " + ", ".join(missing)
+    return True, ("each checkpointed layer's forward and backward recorded once per token count and replayed: one "
+                  "launch for a layer's work, where the small model's step was bound by the host's launches; "
+                  "padding-free batches padded to a multiple of a few hundred tokens for it; "
+                  f"{GRAPHS_LOSS_TILE_TOKENS}-token loss tiles (and 8-bit AdamW, where the optimizer is auto) pay "
+                  "for its buffers")
+
+
+def graph_tokens(micro_batch: int, max_length: int) -> int:
+    """The multiple of tokens padding-free batches are padded to for CUDA graphs: an eighth of the largest batch
+    (at most eight token counts, each recorded once), at least 256, in steps of 64."""
+    eighth = -(-micro_batch * max_length // 8)
+    return max(256, -(-eighth // 64) * 64)
+
+
 def choose_embeddings(shape, common: dict, layout: str) -> tuple[bool, str]:
     """(keep the input embedding table in host RAM?, why): on one GPU where every layer is checkpointed (memory is
     tight), unless the lm_head shares the table (freetune.host_embeddings)."""

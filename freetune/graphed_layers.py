@@ -385,16 +385,16 @@ def _function():
 
 
 def why_not(model, plan, world_size: int, cast_once: bool) -> str | None:
-    """Why the plan's CUDA graphs cannot be used for this model and run (None: they can)."""
+    """Why the plan's CUDA graphs cannot be used for this model and run (None: they can). cast_once: the LoRA
+    weights are cast once per forward into the same buffers (kernels.cast_adapters_once_per_forward)."""
     import torch
 
-    layers = decoder_layers(model)
     dropouts = [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
     reasons = [
         (plan.device != "cuda", "no GPU"),
         (world_size != 1, "more than one process"),
         (plan.batching != "padding_free", "batches that are not padding-free"),
-        (not layers or not all(getattr(layer, "gradient_checkpointing", False) for layer in layers),
+        (not decoder_layers(model) or not plan.gradient_checkpointing or plan.checkpoint_every != 1,
          "not every decoder layer checkpointed"),
         (not cast_once, "LoRA weights not cast once per forward (fused LoRA layers in one process)"),
         (bool(dropouts), f"dropout {max(dropouts, default=0):g} (a replayed recompute would draw other numbers)"),
@@ -403,10 +403,20 @@ def why_not(model, plan, world_size: int, cast_once: bool) -> str | None:
     return "; ".join(found) if found else None
 
 
-def callback(plan, cast_once: bool):
+def pad_batches(trainer, plan) -> None:
+    """Pad the trainer's padding-free batches to a multiple of plan.cuda_graph_tokens tokens, in rows of at most
+    max_length (batching.AlignedPaddingFree): a few token counts, each recorded once."""
+    from freetune.batching import AlignedPaddingFree
+
+    collator = trainer.data_collator
+    if not isinstance(collator, AlignedPaddingFree):
+        raise TypeError(f"CUDA graphs need freetune's padding-free collator, not {type(collator).__name__}")
+    collator.multiple, collator.max_row = plan.cuda_graph_tokens, plan.max_length
+
+
+def callback(plan):
     """A TrainerCallback that installs GraphedLayers when training begins (after the Trainer turned checkpointing on)
-    and removes them when it ends; says which, or why not. cast_once: the LoRA weights are cast once per forward into
-    the same buffers (kernels.cast_adapters_once_per_forward with same_buffers)."""
+    and removes them when it ends, and runs the training on a CUDA stream of its own meanwhile (module docstring)."""
     from transformers import TrainerCallback
 
     from freetune.batching import most_rows
@@ -418,10 +428,6 @@ def callback(plan, cast_once: bool):
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             import torch
 
-            reason = why_not(model, plan, args.world_size, cast_once)
-            if reason:
-                print0(f"CUDA graphs: off ({reason}).")
-                return
             multiple = plan.cuda_graph_tokens
             max_tokens = -(-plan.micro_batch * plan.max_length // multiple) * multiple
             self.graphed = GraphedLayers(model, max_tokens=max_tokens, max_row=plan.max_length,
@@ -430,7 +436,16 @@ def callback(plan, cast_once: bool):
             self.stream = torch.cuda.Stream()
             self.stream.wait_stream(torch.cuda.current_stream())  # after the model's loading
             torch.cuda.set_stream(self.stream)
+            # cuBLAS keeps a workspace per stream: the default stream's, made while loading, is not needed now.
+            clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if clear is not None:
+                torch.cuda.synchronize()
+                clear()
             count = self.graphed.install()
+            if count != len(self.graphed.layers):  # a layer the Trainer did not checkpoint keeps its own inputs
+                self.remove()
+                print0(f"CUDA graphs: off ({count} of the decoder layers checkpointed, not all).")
+                return
             print0(f"CUDA graphs: {count} decoder layers' forward and backward recorded once per token count and "
                    f"replayed (batches padded to a multiple of {multiple} tokens; freetune.graphed_layers).")
 

@@ -370,7 +370,7 @@ def estimate(shape: ModelShape, *, max_length: int, micro_batch: int, lora_rank:
              shards: int = 1, lora_kernel: str = "peft", frozen_dtype: str = "float32",
              offload_activations: bool = False, compiled: bool = False, checkpoint_every: int = 1,
              mlp_kernel: str = "layers", loss_tile_tokens: int = 0,
-             embeddings_on_host: bool = False) -> MemoryEstimate:
+             embeddings_on_host: bool = False, cuda_graphs: bool = False) -> MemoryEstimate:
     """Peak memory of one training step at micro_batch rows of max_length tokens (every row padded to it: the
     worst batch of a run decides whether it fits).
 
@@ -382,7 +382,8 @@ def estimate(shape: ModelShape, *, max_length: int, micro_batch: int, lora_rank:
     lora_kernel "fused" (freetune.kernels, never under FSDP): each double-quantised weight keeps its absmax values
     8-bit where keeps_8bit_absmax, else dequantised once to fp32 (4 bytes per 64 weights). mlp_kernel "chunked" or
     "traced": freetune.fused_mlp. embeddings_on_host: an untied input embedding table in host RAM
-    (freetune.host_embeddings), off the GPU.
+    (freetune.host_embeddings), off the GPU. cuda_graphs: freetune.graphed_layers' three buffers of the largest
+    batch's hidden states (two in turn for the layers, one for the gradient), held for the whole run.
     """
     tokens = micro_batch * max_length
     # Fused layers that are not compiled keep a double-quantised weight's absmax values in fp32 instead
@@ -418,6 +419,8 @@ def estimate(shape: ModelShape, *, max_length: int, micro_batch: int, lora_rank:
                            tile_tokens=loss_tile_tokens)
     layer_backward = tokens * transient + mlp_chunk_bytes(shape, compute_dtype, mlp_kernel)
     activations = tokens * resident + max(0.0, layer_backward - head)  # the head's part is counted apart
+    if cuda_graphs:
+        activations += 3 * tokens * shape.hidden * (2 if _is_16bit(compute_dtype) else 4)
     allocated = weights_4bit + other_weights + lora + optimizer_state + activations + head
     on_gpu = device == "cuda"
     total = allocated * ALLOCATOR_SLACK + CUDA_CONTEXT_GIB * GIB if on_gpu else allocated
@@ -426,7 +429,8 @@ def estimate(shape: ModelShape, *, max_length: int, micro_batch: int, lora_rank:
                     compute_dtype=compute_dtype, device=device, world_size=world_size, loss_head=loss_head,
                     shards=shards, lora_kernel=lora_kernel, frozen_dtype=frozen_dtype,
                     offload_activations=offload_activations, compiled=compiled, checkpoint_every=checkpoint_every,
-                    mlp_kernel=mlp_kernel, loss_tile_tokens=loss_tile_tokens, embeddings_on_host=embeddings_on_host)
+                    mlp_kernel=mlp_kernel, loss_tile_tokens=loss_tile_tokens, embeddings_on_host=embeddings_on_host,
+                    cuda_graphs=cuda_graphs)
     return MemoryEstimate(
         weights_4bit_gib=weights_4bit / GIB, other_weights_gib=other_weights / GIB, lora_gib=lora / GIB,
         optimizer_gib=optimizer_state / GIB, activations_gib=activations / GIB, loss_head_gib=head / GIB,

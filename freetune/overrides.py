@@ -27,7 +27,7 @@ import types
 import warnings
 from pathlib import Path
 
-from freetune.batching import PAD_TO, AlignedPaddingFree
+from freetune.batching import AlignedPaddingFree
 from freetune.errors import FreetuneError
 
 # The libraries whose internals freetune overrides (torch's are tagged too, but its version is the platform's).
@@ -117,13 +117,13 @@ def check_overridden(cls: type) -> list[str]:
 
 # ---- TRL 1.16: the collator, the loss head ------------------------------------------------------------------------
 
-def apply_batching(trainer, batching: str, multiple: int = PAD_TO, max_row: int | None = None) -> None:
+def apply_batching(trainer, batching: str) -> None:
     """Switch an SFTTrainer's collator to padding-free (TRL 1.16: its DataCollatorForLanguageModeling's padding_free,
     and the trainer's). TRL refuses padding_free=True with max_length at construction (its check predates its own
     truncation step), yet truncates rows to max_length during dataset preparation whenever packing is off: so the
     trainer is built padded, with rows truncated, and only the collator is switched. "grouped" is set in the config
     (train_sampling_strategy). The padding-free batches carry freetune.batching.PAD_KEY, which
-    freetune.trainer.FreetuneTrainer takes out before the model is called; multiple and max_row: AlignedPaddingFree's."""
+    freetune.trainer.FreetuneTrainer takes out before the model is called."""
     if batching != "padding_free":
         return
     collator = trainer.data_collator
@@ -133,7 +133,7 @@ def apply_batching(trainer, batching: str, multiple: int = PAD_TO, max_row: int 
         raise TypeError(f"padding-free batching needs TRL's DataCollatorForLanguageModeling, not {type(collator)}")
     collator.padding_free = True
     trainer.padding_free = True
-    trainer.data_collator = AlignedPaddingFree(collator, multiple, max_row)
+    trainer.data_collator = AlignedPaddingFree(collator)
 
 
 def set_loss_tile_tokens(tokens: int) -> None:

@@ -26,9 +26,9 @@ import sys
 from dataclasses import asdict, dataclass, field, replace
 
 from freetune import resources
-from freetune.choices import (choose_attention, choose_batching, choose_budget,
-                              choose_checkpoint_every, choose_checkpointing, choose_compile, choose_embeddings,
-                              choose_frozen_dtype,
+from freetune.choices import (GRAPHS_LOSS_TILE_TOKENS, choose_attention, choose_batching, choose_budget,
+                              choose_checkpoint_every, choose_checkpointing, choose_compile, choose_cuda_graphs,
+                              choose_embeddings, choose_frozen_dtype, graph_tokens,
                               choose_layout, choose_lora_kernel, choose_loss_tile, choose_mlp_kernel, choose_offload,
                               choose_optimizer, choose_policy, choose_precision, choose_sampler, resolve_policy,
                               resolve_shape, varlen_attention_reason)
@@ -283,6 +283,8 @@ class Plan:
              "with the model", r.get("embeddings", "")),
             ("optimizer", self.optimizer, r.get("optimizer", "")),
             ("compile", "per decoder layer" if self.compile else "off", r.get("compile", "")),
+            ("CUDA graphs", f"per layer, batches in multiples of {self.cuda_graph_tokens} tokens"
+             if self.cuda_graph_tokens else "off", r.get("cuda_graphs", "")),
             ("max_length", str(self.max_length), r.get("max_length", "")),
         ]
         if self.memory is not None:
@@ -368,7 +370,7 @@ def make_plan(hardware: Hardware | None = None, *, model_shape: ModelShape | str
               lora_targets: str | list[str] = "all-linear", gradient_checkpointing: bool | str = "auto",
               optimizer: str = "auto", force_policy: str | None = None, precision: str = "auto",
               memory_budget_gib: float | None = None, loss_head: str = "chunked", layout: str = "auto",
-              compile: str = "auto", longest_row: int | None = None) -> Plan:
+              compile: str = "auto", longest_row: int | None = None, lora_dropout: float = 0.0) -> Plan:
     """Decide the training plan for this machine (read now unless `hardware` is given), each choice with its reason.
 
     model_shape: a ModelShape, a known name or hub id ('Qwen/Qwen2.5-Coder-1.5B-Instruct'), or a local model
@@ -393,6 +395,7 @@ def make_plan(hardware: Hardware | None = None, *, model_shape: ModelShape | str
         (freetune.kernels.compile_layers).
     longest_row: tokens of the data's longest row (freetune.audit counts them): the batch is sized for rows that
         long, not for max_length (`replan` re-makes a plan with it once the data is audited).
+    lora_dropout: the LoRA dropout the run will use; CUDA graphs (freetune.graphed_layers) need 0.
     Raises FreetuneError for a GPU the installed torch cannot run, before anything is loaded.
     """
     asked_for = {k: v for k, v in locals().items() if k != "hardware"}
@@ -420,7 +423,10 @@ def make_plan(hardware: Hardware | None = None, *, model_shape: ModelShape | str
                      budget=budget, budget_why=budget_why, checkpointing_auto=on is None, layout_asked=layout)
     plan.micro_batch, plan.max_length = micro_batch or 1, sizing.sized
     if shape is not None and budget:
-        _memory_step(plan, sizing, lora_rank=lora_rank, lora_targets=lora_targets, loss_head=loss_head)
+        # CUDA graphs need padding-free rows: asked now (the probe's answer is kept), the batching is chosen later.
+        padding_free = choose_batching(plan.policy, [g.capability for g in hardware.gpus], 2)[0] == "padding_free"
+        _memory_step(plan, sizing, lora_rank=lora_rank, lora_targets=lora_targets, loss_head=loss_head,
+                     lora_dropout=lora_dropout if padding_free else None, optimizer_auto=optimizer == "auto")
     else:
         plan.reasons["batch"] = ("as given" if micro_batch else "1 (no model shape to size it against: give "
                                  "model_shape to let the plan choose)")
@@ -476,6 +482,17 @@ def _memory_step(plan: Plan, sizing: _Sizing, **lora) -> None:
                                                                          common)
     common["loss_tile_tokens"], plan.reasons["loss_tile"] = choose_loss_tile(common)
     common["embeddings_on_host"], plan.reasons["embeddings"] = choose_embeddings(sizing.shape, common, plan.layout)
+    graphs, plan.reasons["cuda_graphs"] = choose_cuda_graphs(common, plan.layout, lora["lora_dropout"])
+    if graphs:
+        common["cuda_graphs"] = True
+        common["loss_tile_tokens"] = GRAPHS_LOSS_TILE_TOKENS
+        plan.reasons["loss_tile"] = (f"{GRAPHS_LOSS_TILE_TOKENS:,} tokens per tile: the CUDA graphs' buffers are "
+                                     f"paid for here")
+        if lora["optimizer_auto"] and plan.optimizer == "adamw_torch_fused":
+            plan.optimizer = common["optimizer"] = "adamw_8bit"
+            plan.reasons["optimizer"] = ("8-bit AdamW: a quarter of fused AdamW's state, which pays for the CUDA "
+                                         "graphs' buffers; its per-tensor launches run while the GPU works through "
+                                         "the graphs")
     warnings_before = len(plan.warnings)
     _fit_batch(plan, sizing)
     _shard_if_needed(plan, sizing, warnings_before)
@@ -550,6 +567,7 @@ def _shard_if_needed(plan: Plan, sizing: _Sizing, warnings_before: int) -> None:
     common["offload_activations"] = False  # FSDP's own path; not combined with TRL's offloading here
     common["compiled"] = False  # FSDP runs eagerly (choices.choose_compile)
     common["embeddings_on_host"] = False
+    common["cuda_graphs"] = False
     plan.reasons["embeddings"] = "on the GPUs: FSDP shards the table with the model's root unit"
     del plan.warnings[warnings_before:]  # they were about the unsharded layout
     if asked is None:
@@ -602,6 +620,11 @@ def _final_step(plan: Plan, hardware: Hardware, sizing: _Sizing, compile: str) -
     plan.mlp_kernel = memory.settings.get("mlp_kernel", "layers") if memory is not None else "layers"
     plan.loss_tile_tokens = memory.settings.get("loss_tile_tokens", 0) if memory is not None else 0
     plan.embeddings_on_host = bool(memory is not None and memory.settings.get("embeddings_on_host"))
+    graphs = bool(memory is not None and memory.settings.get("cuda_graphs") and plan.batching == "padding_free"
+                  and plan.layout == "single" and plan.lora_kernel == "fused" and plan.compile)
+    plan.cuda_graph_tokens = graph_tokens(plan.micro_batch, plan.max_length) if graphs else 0
+    if memory is not None and memory.settings.get("cuda_graphs") and not graphs:
+        plan.reasons["cuda_graphs"] = "off: the final layout has no padding-free, fused, compiled layers"
     if plan.mlp_kernel != "layers" and plan.lora_kernel != "fused":  # FSDP took over after the memory step
         plan.mlp_kernel, plan.reasons["mlp_kernel"] = "layers", "the final layout has no fused LoRA layers"
 

@@ -367,9 +367,14 @@ def _speed_up(trainer, plan: Plan) -> list:
         print0(f"LoRA kernel: fused on {fused} of {seen} LoRA layers (freetune.kernels)"
                + ("; their weights cast to 16 bits once per forward, all together." if once else "."))
     if plan.cuda_graph_tokens:
-        graphs = graphed_layers.callback(plan, cast_once=bool(plan.lora_kernel == "fused" and once))
-        trainer.add_callback(graphs)
-        undo.append(graphs.remove)
+        reason = graphed_layers.why_not(trainer.model, plan, trainer.args.world_size, cast_once=bool(once))
+        if reason:
+            print0(f"CUDA graphs: off ({reason}).")
+        else:
+            graphed_layers.pad_batches(trainer, plan)
+            graphs = graphed_layers.callback(plan)
+            trainer.add_callback(graphs)
+            undo.append(graphs.remove)
     if plan.mlp_kernel in ("chunked", "traced"):
         fused, seen = fused_mlp.use_fused_mlp(trainer.model, kernel=plan.mlp_kernel)
         how = (f"in chunks of {fused_mlp.CHUNK_TOKENS} tokens" if plan.mlp_kernel == "chunked"

@@ -57,9 +57,7 @@ class FreetuneTrainer(SFTTrainer):
         self.plan, self.hub = plan, hub
         if self.eval_dataset is not None:
             overrides.keep_training_layout(self.model)  # evaluations between steps must not repack it for inference
-        graph_tokens = plan.cuda_graph_tokens if plan is not None else 0
-        overrides.apply_batching(self, plan.batching if plan is not None else "padded",
-                                 **({"multiple": graph_tokens, "max_row": plan.max_length} if graph_tokens else {}))
+        overrides.apply_batching(self, plan.batching if plan is not None else "padded")
 
     # ---- metrics, read once per log step ----------------------------------------------------------------------
 

@@ -102,7 +102,7 @@ params = freetune.params.check(globals())
 plan = freetune.preflight.make_plan(
     model_shape=model_id, max_length=max_length, micro_batch=micro_batch or None, grad_accum=grad_accum,
     lora_rank=lora_rank, gradient_checkpointing=gradient_checkpointing, optimizer=optimizer, precision=precision,
-    memory_budget_gib=gpu_memory_cap_gib or None,
+    memory_budget_gib=gpu_memory_cap_gib or None, lora_dropout=lora_dropout,
 )
 freetune.tracking.check_options(report_to=report_to, eval_steps=eval_steps, eval_rows=eval_rows)
 for repo in (hub_repo, hub_checkpoint_repo):  # a missing token must stop us now, not after hours of training

@@ -479,11 +479,12 @@ def job_plan(job: dict, shape: ModelShape, run_dir: Path):
     budget = job["cap_gib"] or None
     # The plan freetune would make for this cap: freetune runs it, plain_best borrows its micro-batch and
     # checkpointing (the best the cap allows) but not its batching, attention or trainer.
+    dropout = float((job.get("overrides") or {}).get("lora_dropout", job["lora_dropout"]))  # as run_one attaches it
     plan = make_plan(hardware, model_shape=shape, max_length=job["max_length"], micro_batch=None,
                      grad_accum=ROWS_PER_STEP, lora_rank=LORA_RANK, precision=job["precision"],
-                     memory_budget_gib=budget)
+                     memory_budget_gib=budget, lora_dropout=dropout)
     plain = dict(batching="padded", sampler="random", attn_implementation="sdpa", lora_kernel="peft", compile=False,
-                 optimizer="paged_adamw_8bit", frozen_dtype="float32", offload_activations=False,
+                 optimizer="paged_adamw_8bit", frozen_dtype="float32", offload_activations=False, cuda_graph_tokens=0,
                  reasons={**plan.reasons, "batching": "plain stack: padded to the longest row of the batch",
                           "attention": "plain stack: sdpa", "sampler": "plain stack: random order"})
     if job["run"] == "free_tier":

@@ -105,20 +105,66 @@ def test_a_batch_with_more_rows_than_the_buffers_hold_is_refused_with_the_count(
         step(model, packed_batch((40, 40, 40), pad_to=256, max_row=64))
 
 
-def test_where_the_graphs_do_not_apply_the_plan_is_told_why(tiny_model_dir):
+def test_where_the_graphs_do_not_apply_the_run_is_told_why(tiny_model_dir):
     from types import SimpleNamespace
 
     model, _ = graphed_model(tiny_model_dir, torch.float32)
-    plan = SimpleNamespace(device="cuda", batching="padding_free")
+    plan = SimpleNamespace(device="cuda", batching="padding_free", gradient_checkpointing=True, checkpoint_every=1)
     assert graphed_layers.why_not(model, plan, world_size=1, cast_once=True) is None
     assert graphed_layers.why_not(model, plan, world_size=2, cast_once=False) == (
         "more than one process; LoRA weights not cast once per forward (fused LoRA layers in one process)")
     dropout = quantized_lora_model(tiny_model_dir, torch.float32, dropout=0.05)
-    dropout.get_base_model().gradient_checkpointing_enable({"use_reentrant": False})
     assert "dropout 0.05" in graphed_layers.why_not(dropout, plan, world_size=1, cast_once=True)
-    model.get_base_model().gradient_checkpointing_disable()
-    assert graphed_layers.why_not(model, SimpleNamespace(device="cpu", batching="padded"), 1, True) == (
+    cpu = SimpleNamespace(device="cpu", batching="padded", gradient_checkpointing=True, checkpoint_every=2)
+    assert graphed_layers.why_not(model, cpu, 1, True) == (
         "no GPU; batches that are not padding-free; not every decoder layer checkpointed")
+
+
+def gpu_plan(memory_gib, **asked):
+    from freetune.preflight import GPU, Hardware, make_plan
+
+    gpu = GPU(name="NVIDIA T4", capability=(7, 5), memory_gib=memory_gib)
+    hardware = Hardware(gpus=[gpu], torch="2.13.0", cuda="12.8", arch_list=["sm_75"])
+    return make_plan(hardware, model_shape="TinyLlama/TinyLlama-1.1B-Chat-v1.0", grad_accum=8, **asked)
+
+
+def test_the_plan_replays_the_layers_as_graphs_where_every_layer_is_checkpointed_and_dropout_is_off(monkeypatch):
+    """A 4 GiB plan for TinyLlama on a T4 (every layer checkpointed, padding-free rows): CUDA graphs, batches in
+    eighths of the largest, 8-bit AdamW and smaller loss tiles paying for the graphs' buffers, which the memory
+    estimate counts. With dropout, or with the whole batch fitting without checkpointing, no graphs and the optimizer
+    as before."""
+    from freetune import choices, memory
+
+    # The variable-length kernel's probe needs a GPU: here it is taken as passed, as on a T4.
+    monkeypatch.setattr(choices, "varlen_works", lambda device, policy="ampere": (True, "probed by the test"))
+    monkeypatch.setattr(choices, "varlen_backend", lambda device: "efficient")
+
+    plan = gpu_plan(4, memory_budget_gib=4, lora_dropout=0.0)
+    assert plan.gradient_checkpointing and plan.checkpoint_every == 1 and plan.batching == "padding_free"
+    assert plan.cuda_graph_tokens == choices.graph_tokens(plan.micro_batch, plan.max_length) == 1024
+    assert plan.optimizer == "adamw_8bit" and plan.loss_tile_tokens == choices.GRAPHS_LOSS_TILE_TOKENS
+    assert dict((c, v) for c, v, _ in plan.rows())["CUDA graphs"] == "per layer, batches in multiples of 1024 tokens"
+    shape = choices.resolve_shape("TinyLlama/TinyLlama-1.1B-Chat-v1.0")
+    settings = {k: v for k, v in plan.memory.settings.items() if k != "model"}
+    assert settings["cuda_graphs"]
+    with_graphs = memory.estimate(shape, **settings)
+    without = memory.estimate(shape, **{**settings, "cuda_graphs": False})
+    buffers = 3 * plan.micro_batch * plan.max_length * shape.hidden * 2 / 2**30
+    assert with_graphs.activations_gib - without.activations_gib == pytest.approx(buffers)
+
+    dropout = gpu_plan(4, memory_budget_gib=4, lora_dropout=0.05)
+    assert dropout.cuda_graph_tokens == 0 and dropout.optimizer == "adamw_torch_fused"
+    assert "LoRA dropout 0" in dropout.reasons["cuda_graphs"]
+    roomy = gpu_plan(80, lora_dropout=0.0, gradient_checkpointing="off")
+    assert roomy.cuda_graph_tokens == 0 and "every layer checkpointed" in roomy.reasons["cuda_graphs"]
+    assert gpu_plan(4, memory_budget_gib=4, optimizer="adamw_torch_fused").optimizer == "adamw_torch_fused"
+
+
+def test_the_graphs_multiple_is_an_eighth_of_the_largest_batch_in_steps_of_64():
+    from freetune.choices import graph_tokens
+
+    assert graph_tokens(8, 1024) == 1024 and graph_tokens(8, 2048) == 2048
+    assert graph_tokens(4, 1000) == 512 and graph_tokens(1, 512) == 256
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
