@@ -13,10 +13,10 @@ call. torch.compile's own CUDA graphs (mode="reduce-overhead") do not survive a 
   takes the gradients of its input and of its 16-bit LoRA weights (the copies that
   freetune.kernels.cast_adapters_once_per_forward makes once per forward; their gradients go back to the fp32 weights
   as before).
-- Fixed shapes: the padding-free batch is padded to a multiple of `tokens_multiple` tokens (batching.AlignedPaddingFree
-  with rows of at most max_length tokens, which train nothing); the row boundaries (cu_seq_lens) are padded with
-  empty rows to a fixed count and the longest row given as max_length, so one graph per token count serves every
-  batch of that count.
+- Fixed shapes: the padding-free batch is padded to a multiple of plan.cuda_graph_tokens tokens
+  (batching.AlignedPaddingFree with rows of at most max_length tokens, which train nothing); the row boundaries
+  (cu_seq_lens) are padded with empty rows to a fixed count and the longest row given as max_length, so one graph
+  per token count serves every batch of that count.
 - Fixed addresses: the hidden states go through two buffers in turn (layer i reads one and writes the other), the
   output gradient and the input gradient share a third, the position embeddings and row boundaries are copied into
   buffers of their own; the 16-bit LoRA weights are cast into the same buffers at every forward, and each layer's
@@ -103,7 +103,8 @@ class GraphedLayers:
         self.grad = None  # (max_tokens, hidden): the output gradient in, the input gradient out
         self.stored = []  # per layer: its input until its backward (pinned host memory on a GPU)
         self.pool = self.capture_stream = self.copy_stream = None
-        self.copied = {}  # layer index -> the event after which its input is in host memory / back on the GPU
+        # ("out", i) / ("in", i) -> the event after which layer i's input is in host memory / back on the GPU
+        self.copied = {}
         self.shape = None  # the _Shape of the batch being computed
         self.recorded = 0  # graphs recorded so far (for the log)
 
@@ -111,16 +112,19 @@ class GraphedLayers:
 
     def install(self) -> int:
         """Make every checkpointed decoder layer call this checkpoint; returns how many."""
+        from freetune import overrides
+
         for i, layer in enumerate(self.layers):
             if getattr(layer, "gradient_checkpointing", False):
-                self.replaced[i] = layer._gradient_checkpointing_func
-                layer._gradient_checkpointing_func = partial(self._checkpoint, i)
+                self.replaced[i] = overrides.replace_checkpoint_function(layer, partial(self._checkpoint, i))
         return len(self.replaced)
 
     def remove(self) -> None:
         """Undo install and free the buffers and graphs."""
+        from freetune import overrides
+
         for i, func in self.replaced.items():
-            self.layers[i]._gradient_checkpointing_func = func
+            overrides.replace_checkpoint_function(self.layers[i], func)
         self.replaced = {}
         self.shapes, self.hidden, self.grad, self.stored, self.pool = {}, None, None, [], None
         self.pairs = {}
@@ -419,6 +423,7 @@ def callback(plan):
     and removes them when it ends, and runs the training on a CUDA stream of its own meanwhile (module docstring)."""
     from transformers import TrainerCallback
 
+    from freetune import overrides
     from freetune.batching import most_rows
     from freetune.distributed import print0
 
@@ -437,10 +442,7 @@ def callback(plan):
             self.stream.wait_stream(torch.cuda.current_stream())  # after the model's loading
             torch.cuda.set_stream(self.stream)
             # cuBLAS keeps a workspace per stream: the default stream's, made while loading, is not needed now.
-            clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-            if clear is not None:
-                torch.cuda.synchronize()
-                clear()
+            overrides.free_cublas_workspaces()
             count = self.graphed.install()
             if count != len(self.graphed.layers):  # a layer the Trainer did not checkpoint keeps its own inputs
                 self.remove()

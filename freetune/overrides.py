@@ -264,6 +264,30 @@ def uncompile(module) -> bool:
     return True
 
 
+# ---- transformers 5.17 / torch 2.13: the checkpoint function, cuBLAS workspaces (freetune.graphed_layers) -------
+
+def replace_checkpoint_function(layer, function):
+    """transformers 5.17: a GradientCheckpointingLayer with checkpointing on calls
+    `self._gradient_checkpointing_func(partial(super().__call__, **kwargs), *args)` (gradient_checkpointing_enable sets
+    the attribute on each layer). Put `function` there; returns the one it had (give it back the same way)."""
+    previous = layer._gradient_checkpointing_func
+    layer._gradient_checkpointing_func = function
+    return previous
+
+
+def free_cublas_workspaces() -> bool:
+    """torch 2.13: free the cuBLAS workspaces torch keeps per handle and stream (torch._C._cuda_clearCublasWorkspaces,
+    after the GPU is done with them); the next matmul on a stream makes its own again. False where torch lacks it."""
+    import torch
+
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is None:
+        return False
+    torch.cuda.synchronize()
+    clear()
+    return True
+
+
 # ---- peft 0.21 / bitsandbytes 0.50: the layers the fused LoRA kernel stands in for (freetune.kernels) --------------
 
 def fusable(module) -> str:
