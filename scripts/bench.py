@@ -34,6 +34,8 @@ Usage (GPU machine):  python scripts/bench.py --out reports/gpu/bench.json   (~1
                       --modes t4,4gb --no-ddp, then --modes uncapped --runs freetune --ddp-only --merge FIRST.json)
 Where the time goes:  --profile (torch.profiler over one extra step, and where it made the host wait for the GPU),
                       --variants 'eager:compile=false;...' (plan choices), 'flat:flat_sync=true' (DDP settings).
+The plan's memory estimate on the rows the embedded default trains on (the bundled SVG sample, the plan sized from
+its longest row):     --rows svg_sample --modes uncapped,t4 --runs freetune
 CPU smoke test:       python scripts/bench.py --tiny --out /tmp/bench.json   (tiny shape, a few steps, no caps)
 """
 
@@ -53,6 +55,7 @@ from pathlib import Path
 
 if not __package__:  # run as a file (python scripts/bench.py): its sibling modules by the package's name
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from freetune.fixtures import QWEN_PADDED_VOCAB
 from freetune.memory import KNOWN_SHAPES, ModelShape
 from scripts.gc_pauses import GcPauses
 
@@ -76,6 +79,7 @@ MODES = {
     "4gb": dict(shape="tinyllama-1.1b", cap_gib=4.0, precision="fp16", recipe="tiny_4gb"),
 }
 RUNS = ("free_tier", "plain_best", "freetune")
+ROW_SOURCES = ("synthetic", "svg_sample")
 # Unsloth with its offloaded checkpointing, without checkpointing (both padding-free), and (not asked for in issue 25,
 # the other candidate for its fastest) padded batches through its per-layer compile, no checkpointing.
 PEER_RUNS = ("unsloth", "unsloth_nockpt", "unsloth_padded")
@@ -149,6 +153,18 @@ def build_model(shape: ModelShape, out: Path, tokenizer_dir: Path, device: str) 
         build_tiny_model(out, ARCHITECTURE[shape.name], hidden_size=shape.hidden, num_layers=shape.layers,
                          tokenizer_dir=tokenizer_dir, **overrides)
     return out
+
+
+def svg_sample_rows() -> list[list[int]]:
+    """The bundled SVG sample as svg_coder's notebook trains on it (--embedded): each row a chat with the recipe's
+    system prompt, rendered by Qwen2.5's chat template and tokenizer (the offline fixture's) into token ids."""
+    import freetune
+
+    tokenizer = freetune.model.load_tokenizer(str(freetune.fixtures.cached_tiny_model("qwen2")))
+    rows = freetune.data.normalize(freetune.data.load_rows(str(freetune.fixtures.sample_data_path("svg"))))
+    rows = freetune.data.as_chat(rows, recipe_default("svg_coder", "system_prompt"))
+    return [tokenizer.apply_chat_template(row["prompt"] + row["completion"], tokenize=True, return_dict=True)
+            ["input_ids"] for row in rows]
 
 
 def synthetic_rows(n: int, vocab: int, lengths: tuple[int, int], seed: int = 0) -> list[list[int]]:
@@ -482,7 +498,7 @@ def job_plan(job: dict, shape: ModelShape, run_dir: Path):
     dropout = float((job.get("overrides") or {}).get("lora_dropout", job["lora_dropout"]))  # as run_one attaches it
     plan = make_plan(hardware, model_shape=shape, max_length=job["max_length"], micro_batch=None,
                      grad_accum=ROWS_PER_STEP, lora_rank=LORA_RANK, precision=job["precision"],
-                     memory_budget_gib=budget, lora_dropout=dropout)
+                     memory_budget_gib=budget, lora_dropout=dropout, longest_row=job.get("longest_row"))
     plain = dict(batching="padded", sampler="random", attn_implementation="sdpa", lora_kernel="peft", compile=False,
                  optimizer="paged_adamw_8bit", frozen_dtype="float32", offload_activations=False, cuda_graph_tokens=0,
                  reasons={**plan.reasons, "batching": "plain stack: padded to the longest row of the batch",
@@ -967,6 +983,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="sample every thread's Python stack each millisecond over the measured steps "
                              "(StackSampler): where the host's time goes, printed and in the report; the runs are a "
                              "little slower")
+    parser.add_argument("--rows", choices=ROW_SOURCES, default="synthetic",
+                        help="synthetic: random token ids, 300-1,200 tokens cut at 1,024 (the speed table's); "
+                             "svg_sample: the bundled SVG sample (freetune/sample_data) rendered as svg_coder renders "
+                             "it (its system prompt, Qwen2.5's chat template and tokenizer), the plan sized from its "
+                             "longest row as the recipe's replan does: the memory estimate against the peak on the "
+                             "rows the embedded default trains on")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     unknown = set(args.runs.split(",")) - set(RUNS + PEER_RUNS)
@@ -1030,11 +1052,15 @@ def make_jobs(args: argparse.Namespace, work: Path, device: str, gpus: int) -> t
         # Warm-up: the first steps grow the allocator to the batch shapes (packed lengths vary every step).
         lengths, max_length, steps = (300, 1200), 1024, dict(free_tier=(1, 3), plain_best=(3, args.steps),
                                                              freetune=(3, args.steps))
+    not_qwen = [mode for mode, spec in modes.items() if shape_of(spec["shape"]).vocab < QWEN_PADDED_VOCAB]
+    if args.rows == "svg_sample" and not_qwen:  # before anything is built or measured
+        raise SystemExit(f"--rows svg_sample: Qwen2.5's token ids need a Qwen2.5 shape (--modes uncapped,t4), "
+                         f"not mode {', '.join(not_qwen)}")
     steps.update({peer: steps["freetune"] for peer in PEER_RUNS})  # the same rows measured as freetune's
     peak = measure_matmul_tflops(device)
     report = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "gpus": gpus,
               "torch": torch.__version__, "matmul_tflops": {k: round(v, 3) for k, v in peak.items()},
-              "rows": {"lengths": lengths, "max_length": max_length, "lora_rank": LORA_RANK,
+              "rows": {"source": args.rows, "lengths": lengths, "max_length": max_length, "lora_rank": LORA_RANK,
                        "rows_per_gpu_step": ROWS_PER_STEP},
               "scheduling": "parallel (one single-GPU run per GPU at a time)" if args.parallel else "sequential",
               "runs": []}
@@ -1045,9 +1071,18 @@ def make_jobs(args: argparse.Namespace, work: Path, device: str, gpus: int) -> t
     for mode, spec in modes.items():
         shape = shape_of(spec["shape"])
         model_dir = build_model(shape, work / f"model-{shape.name}", tokenizer_dir, device)
-        rows_file = work / f"rows-{shape.name}.json"
-        if not rows_file.exists():
-            rows_file.write_text(json.dumps(synthetic_rows(256, shape.vocab, lengths)))
+        longest_row = None  # synthetic rows: cut at max_length, the plan sizes for it
+        if args.rows == "svg_sample":
+            rows_file = work / "rows-svg_sample.json"
+            if not rows_file.exists():
+                rows_file.write_text(json.dumps(svg_sample_rows()))
+            sample_lengths = list(map(len, json.loads(rows_file.read_text())))
+            longest_row = max(sample_lengths)  # the audit's longest_row
+            report["rows"]["lengths"] = [min(sample_lengths), longest_row]
+        else:
+            rows_file = work / f"rows-{shape.name}.json"
+            if not rows_file.exists():
+                rows_file.write_text(json.dumps(synthetic_rows(256, shape.vocab, lengths)))
         runs = [(run, {}) for run in RUNS + PEER_RUNS if run in args.runs.split(",")]
         runs += [(f"freetune[{label}]", overrides) for label, overrides in parse_variants(args.variants)]
         if args.like_for_like:
@@ -1057,6 +1092,7 @@ def make_jobs(args: argparse.Namespace, work: Path, device: str, gpus: int) -> t
             jobs.append(dict(mode=mode, run=run, shape=spec["shape"], cap_gib=spec["cap_gib"],
                              precision=spec["precision"], max_length=max_length, warmup=warmup, steps=measured,
                              model=str(model_dir), tokenizer=str(tokenizer_dir), rows=str(rows_file),
+                             longest_row=longest_row,
                              model_shape=shape.name,
                              work=str(work), world=1, batching="padding_free" if args.tiny else None,
                              overrides=overrides, profile=args.profile, sample_stacks=args.sample_stacks,

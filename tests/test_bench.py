@@ -332,3 +332,40 @@ def test_the_stack_sampler_finds_where_a_thread_spends_its_time():
     assert inclusive["slow_part"] > 0.7 and inclusive.get("quick_part", 0.0) < 0.1
     hottest_share, hottest, source = summary["self"][0]
     assert hottest.endswith("slow_part") and ("perf_counter" in source or "x += 1" in source)
+
+
+def test_the_svg_sample_rows_are_svg_coders_chats_and_the_plan_is_sized_from_their_longest_row(tmp_path):
+    """--rows svg_sample: the memory estimate against the peak on the rows the embedded default trains on. The rows
+    are the bundled sample as svg_coder renders it, and the plan is the one its replan makes for the longest."""
+    import freetune
+    from freetune.memory import KNOWN_SHAPES
+
+    bench = load_bench()
+    rows = bench.svg_sample_rows()
+    sample = [json.loads(line) for line in freetune.fixtures.sample_data_path("svg").read_text().splitlines()]
+    assert len(rows) == len(sample) == 240
+    tokenizer = freetune.model.load_tokenizer(str(freetune.fixtures.cached_tiny_model("qwen2")))
+    system_prompt = bench.recipe_default("svg_coder", "system_prompt")
+    for ids, row in zip(rows[:3], sample):
+        text = tokenizer.decode(ids)
+        assert text.startswith(f"<|im_start|>system\n{system_prompt}<|im_end|>\n<|im_start|>user\n{row['prompt']}")
+        assert text.endswith(f"<|im_start|>assistant\n{row['completion']}<|im_end|>\n")
+    longest = max(map(len, rows))
+    assert 100 < longest < 400  # rows of ~150 tokens, far under the recipe's max_length of 1,024
+
+    shape = KNOWN_SHAPES["qwen2.5-1.5b"]
+    job = dict(run="freetune", cap_gib=14.5, precision="fp16", max_length=1024, lora_dropout=0.05, overrides={})
+    sized = bench.job_plan({**job, "longest_row": longest}, shape, tmp_path)[0]
+    cut = bench.job_plan({**job, "longest_row": None}, shape, tmp_path)[0]
+    # The estimate sizes the micro-batch's rows at the longest row, not at max_length (the issue's 59.4 GiB estimate
+    # for a run that peaked at 7.3); with room left under the cap the plan then needs no checkpointing.
+    assert (sized.memory.settings["max_length"], cut.memory.settings["max_length"]) == (longest, 1024)
+    assert sized.micro_batch == cut.micro_batch == 8
+    assert not sized.gradient_checkpointing and cut.gradient_checkpointing
+
+    # A shape whose vocabulary has no room for Qwen's token ids is refused before anything is built or measured.
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--rows", "svg_sample", "--modes",
+                           "4gb", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out.json")],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode != 0 and "not mode 4gb" in done.stderr, done.stderr[-2000:]
+    assert not (tmp_path / "out.json").exists() and not (tmp_path / "work" / "model-TinyLlama-1.1B").exists()
