@@ -1053,7 +1053,7 @@ def make_jobs(args: argparse.Namespace, work: Path, device: str, gpus: int) -> t
         lengths, max_length, steps = (300, 1200), 1024, dict(free_tier=(1, 3), plain_best=(3, args.steps),
                                                              freetune=(3, args.steps))
     not_qwen = [mode for mode, spec in modes.items() if shape_of(spec["shape"]).vocab < QWEN_PADDED_VOCAB]
-    if args.rows == "svg_sample" and not_qwen:  # before anything is built or measured
+    if args.rows == "svg_sample" and not_qwen:  # before any model is built or the matmul rate measured
         raise SystemExit(f"--rows svg_sample: Qwen2.5's token ids need a Qwen2.5 shape (--modes uncapped,t4), "
                          f"not mode {', '.join(not_qwen)}")
     steps.update({peer: steps["freetune"] for peer in PEER_RUNS})  # the same rows measured as freetune's
