@@ -1066,23 +1066,22 @@ def make_jobs(args: argparse.Namespace, work: Path, device: str, gpus: int) -> t
               "runs": []}
     print(f"{report['device']} x {max(gpus, 1)}: matmul {report['matmul_tflops']} TFLOP/s", flush=True)
 
+    sample_file, longest_row = None, None  # synthetic rows: cut at max_length, the plan sizes for it
+    if args.rows == "svg_sample":  # one rows file for every mode (all Qwen2.5 shapes)
+        sample_file = work / "rows-svg_sample.json"
+        if not sample_file.exists():
+            sample_file.write_text(json.dumps(svg_sample_rows()))
+        sample_lengths = list(map(len, json.loads(sample_file.read_text())))
+        longest_row = max(sample_lengths)  # the audit's longest_row
+        report["rows"]["lengths"] = [min(sample_lengths), longest_row]
     jobs = []
     every = max(args.logging_steps, 1)  # the token counts are read from the log: warm-up and measured steps align
     for mode, spec in modes.items():
         shape = shape_of(spec["shape"])
         model_dir = build_model(shape, work / f"model-{shape.name}", tokenizer_dir, device)
-        longest_row = None  # synthetic rows: cut at max_length, the plan sizes for it
-        if args.rows == "svg_sample":
-            rows_file = work / "rows-svg_sample.json"
-            if not rows_file.exists():
-                rows_file.write_text(json.dumps(svg_sample_rows()))
-            sample_lengths = list(map(len, json.loads(rows_file.read_text())))
-            longest_row = max(sample_lengths)  # the audit's longest_row
-            report["rows"]["lengths"] = [min(sample_lengths), longest_row]
-        else:
-            rows_file = work / f"rows-{shape.name}.json"
-            if not rows_file.exists():
-                rows_file.write_text(json.dumps(synthetic_rows(256, shape.vocab, lengths)))
+        rows_file = sample_file or work / f"rows-{shape.name}.json"
+        if not rows_file.exists():
+            rows_file.write_text(json.dumps(synthetic_rows(256, shape.vocab, lengths)))
         runs = [(run, {}) for run in RUNS + PEER_RUNS if run in args.runs.split(",")]
         runs += [(f"freetune[{label}]", overrides) for label, overrides in parse_variants(args.variants)]
         if args.like_for_like:
