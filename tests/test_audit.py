@@ -186,11 +186,13 @@ def test_json_report_is_stable(contaminated, tokenizer, report, tiny_model_dir):
     second = audit(rebuilt, tokenizer=tokenizer, max_length=MAX_LENGTH, checks=CHECKS, eval_dataset=evaluation)
     assert second.to_json() == report.to_json()
     data = json.loads(report.to_json())
-    assert sorted(data) == ["blocking", "completion_chars", "counts", "findings", "rows", "settings", "shape",
-                            "tokens"]
+    assert sorted(data) == ["blocking", "completion_chars", "counts", "findings", "labels", "rows", "settings",
+                            "shape", "tokens"]
     assert data["counts"] == {"check:has_svg": 6, "check:xml": 6, "conflict": 1, "duplicate": 1, "empty": 2,
                               "eos_not_in_labels": 0, "no_trainable_tokens": 1, "overlap": 2, "repeated": 4,
-                              "repeated_other": 0, "short": 1, "truncated": 3}
+                              "repeated_other": 0, "short": 1, "truncated": 3, "malformed": 0, "refusal": 0,
+                              "error_string": 0, "cut_off": 0, "echo": 0, "language": 0}
+    assert data["labels"] is None
     # Without a tokenizer or an eval set those checks are "not measured" (null), not "none found" (0).
     bare = audit(train).to_dict()["counts"]
     assert bare["truncated"] is None and bare["overlap"] is None and bare["empty"] == 2

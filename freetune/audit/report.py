@@ -23,6 +23,7 @@ class AuditReport:
     counts: dict = field(default_factory=dict)    # rows per finding id: 0 = looked, found none; None = not measured
     timings: dict = field(default_factory=dict)   # seconds per phase; not part of to_dict (it varies)
     engine: str | None = None                     # what tokenised the rows (same ids either way; not in to_dict)
+    labels: dict | None = None                    # a label set's classes ({"line", "classes": {answer: rows}})
 
     @property
     def longest_row(self) -> int | None:
@@ -55,6 +56,7 @@ class AuditReport:
             "findings": [f.to_dict(self.rows) for f in self.findings],
             "completion_chars": self.completion_chars,
             "tokens": self.tokens,
+            "labels": self.labels["classes"] if self.labels else None,
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -65,7 +67,7 @@ class AuditReport:
         table = [(_status(f, dropping), f.title, f"{f.count:,}" if f.rows or f.count else "-",
                   f"{100 * f.count / self.rows:.2f}%" if (f.rows or f.count) and self.rows else "",
                   f.message) for f in self.findings]
-        notes = []
+        notes = [self.labels["line"]] if self.labels else []
         c = self.completion_chars
         if c:
             notes.append(f"Completion length (characters): min {c['min']:,} / median {c['median']:,} / "

@@ -31,6 +31,10 @@ SHORT_REPEAT_RATIO = 0.5
 # the rows is then junk whatever its length. Class labels look the same; the message says how to keep them.
 MIN_DISTINCT_FOR_MEDIAN = 5
 DOMINANT_SHARE = 0.5
+# Outside label sets, a repeated answer as long as the others is named only when it takes this share of the rows.
+REPEAT_WARN_SHARE = 0.02
+# Short answers are named only while they are the exception: above this share of the answers they are the norm.
+SHORT_NORM_SHARE = 0.2
 
 
 def _empty_finding(completions: list[str]) -> Finding | None:
@@ -42,14 +46,26 @@ def _empty_finding(completions: list[str]) -> Finding | None:
                    f"answer nothing.", rows, len(rows))
 
 
-def _repeat_findings(completions: list[str], requests: Callable[[int], str], *, repeat_min_rows: int,
-                     repeat_share_block: float) -> list[Finding]:
-    total = len(completions)
+def _answer_groups(completions: list[str]) -> dict[str, list[int]]:
+    """{stripped answer: its rows} over the non-empty answers."""
     groups: dict[str, list[int]] = defaultdict(list)
     for i, c in enumerate(completions):
         text = c.strip()
         if text:
             groups[text].append(i)
+    return groups
+
+
+def _repeat_findings(completions: list[str], requests: Callable[[int], str], *, repeat_min_rows: int,
+                     repeat_share_block: float, groups: dict[str, list[int]] | None = None,
+                     label_set: bool = False) -> list[Finding]:
+    """The junk repeat (a short answer standing out against varied or longer ones) and, outside label sets,
+    legitimate-looking answers repeated by a notable share of the rows. A label set's classes are neither: they
+    are reported by freetune.audit.labels."""
+    if label_set:
+        return []
+    total = len(completions)
+    groups = _answer_groups(completions) if groups is None else groups
     # The typical answer length over *distinct* answers: junk repeated over most rows still counts once, so it
     # cannot become the yardstick it is measured against.
     median_chars = statistics.median(len(text) for text in groups) if groups else 0
@@ -75,7 +91,10 @@ def _repeat_findings(completions: list[str], requests: Callable[[int], str], *, 
 
     findings = []
     junk = [(t, r) for t, r in repeated if is_junk(t, r)]
-    other = [(t, r) for t, r in repeated if not is_junk(t, r)]
+    # A legitimate-looking repeat is worth a look only when one answer takes a notable share of the rows; numbers
+    # or actions that recur a few times each are what such data looks like.
+    other = [(t, r) for t, r in repeated if not is_junk(t, r)
+             and (len(r) >= REPEAT_WARN_SHARE * total or len(t) < SHORT_REPEAT_RATIO * median_chars)]
     if junk:
         rows, example, details = summary(junk)
         findings.append(Finding(
@@ -87,8 +106,8 @@ def _repeat_findings(completions: list[str], requests: Callable[[int], str], *, 
         rows, example, details = summary(other)
         findings.append(Finding(
             "repeated_other", "repeated", WARNING, "repeated completion",
-            f"{_n(len(other), 'completion')} each in {repeat_min_rows}+ rows ({_n(len(rows), 'row')}), e.g. "
-            f"{example}; as long as typical answers or rare, so kept. Check they are real answers.",
+            f"{_n(len(other), 'completion')} each in {REPEAT_WARN_SHARE:.0%}+ of the rows ({_n(len(rows), 'row')}), "
+            f"e.g. {example}; as long as typical answers or rare, so kept. Check they are real answers.",
             rows, len(rows), details))
     return findings
 
@@ -96,17 +115,19 @@ def _repeat_findings(completions: list[str], requests: Callable[[int], str], *, 
 def _few_answers_note(distinct: int) -> str:
     if distinct == 1:
         return " Every row has this one answer: there is nothing else to learn. Check the data set and its `columns`."
-    return (f" The data set has only {distinct} distinct answers; if they are class labels, set "
-            f"`{CLEAN_PARAMETER}=False` and `{ACCEPT_PARAMETER}=True` to train on them.")
+    return (f" The data set has only {distinct} distinct answers and this one covers most rows: check the data set "
+            f"and its `columns`.")
 
 
 def _short_finding(completions: list[str], min_chars: int, excluded: set[int]) -> Finding | None:
+    """Very short answers among longer ones; where short answers are the norm (numbers, labels) they are the data."""
+    answered = sum(1 for c in completions if c.strip())
     rows = [i for i, c in enumerate(completions) if 0 < len(c.strip()) < min_chars and i not in excluded]
-    if not rows:
+    if not rows or len(rows) > SHORT_NORM_SHARE * answered:
         return None
     return Finding("short", "short", WARNING, "very short completion",
                    f"{_n(len(rows), 'completion')} under {min_chars} characters, e.g. "
-                   f"{_cut(completions[rows[0]].strip(), 40)!r}. Fine for labels; suspicious for long answers.",
+                   f"{_cut(completions[rows[0]].strip(), 40)!r}, where most answers are longer.",
                    rows, len(rows))
 
 

@@ -7,15 +7,19 @@ import time
 from freetune.audit.findings import BLOCKING, Check, Finding, _nearest_rank
 from freetune.audit.report import AuditReport
 from freetune.audit.rows import _prompt_key, _request, _safe_completion, _safe_prompt, _shape
-from freetune.audit.rules import (_check_findings, _duplicate_findings, _empty_finding, _overlap_finding,
-                                  _repeat_findings, _short_finding)
+from freetune.audit.junk import cut_off_finding, echo_finding, error_finding, refusal_finding
+from freetune.audit.labels import balance_findings, balance_line, label_classes
+from freetune.audit.language import language_finding
+from freetune.audit.rules import (_answer_groups, _check_findings, _duplicate_findings, _empty_finding,
+                                  _overlap_finding, _repeat_findings, _short_finding)
+from freetune.audit.structure import malformed_finding, stand_in
 from freetune.audit.tokens import _load_tokenizer, _token_findings
 from freetune.errors import FreetuneError
 
 
 def audit(dataset, *, tokenizer=None, max_length: int | None = None, checks: dict[str, Check] | None = None,
           eval_dataset=None, min_completion_chars: int = 8, repeat_min_rows: int = 3,
-          repeat_share_block: float = 0.005, assistant_only: bool = True) -> AuditReport:
+          repeat_share_block: float = 0.005, assistant_only: bool = True, source: str | None = None) -> AuditReport:
     """Audit a normalised data set (see freetune.data.normalize); returns an AuditReport.
 
     tokenizer: a tokenizer, or a model folder / hub id to load it from as training does
@@ -28,6 +32,7 @@ def audit(dataset, *, tokenizer=None, max_length: int | None = None, checks: dic
     repeat_share_block: a repeated short completion covering at least this share of rows is blocking.
     assistant_only: for `messages` rows, whether training puts the loss on assistant turns only (TRL's
         assistant_only_loss, counted with TRL's own assistant mask) or on every token. Pass what training uses.
+    source: where the rows come from (the `dataset` parameter), named in messages about unreadable rows.
     """
     lap = _Laps()
     shape = _shape(dataset)
@@ -38,11 +43,19 @@ def audit(dataset, *, tokenizer=None, max_length: int | None = None, checks: dic
     prompts = [_safe_prompt(r) for r in rows]
     lap("read rows")
 
-    def requests(i: int) -> str:
-        return _request(rows[i])
+    asked = [_request(r) for r in rows]
+    malformed = malformed_finding(rows, shape, source)
+    lap("read rows")
 
-    findings = _text_findings(completions, requests, min_completion_chars=min_completion_chars,
-                              repeat_min_rows=repeat_min_rows, repeat_share_block=repeat_share_block)
+    def requests(i: int) -> str:
+        return asked[i]
+
+    findings, labels = _text_findings(completions, asked, min_completion_chars=min_completion_chars,
+                                      repeat_min_rows=repeat_min_rows, repeat_share_block=repeat_share_block)
+    if malformed is not None:
+        findings.append(malformed)
+        unreadable = set(malformed.rows)
+        rows = [stand_in(r, shape) if i in unreadable else r for i, r in enumerate(rows)]
     lap("text checks")
 
     findings += _check_findings(rows, dict(checks or {}))
@@ -73,7 +86,8 @@ def audit(dataset, *, tokenizer=None, max_length: int | None = None, checks: dic
         "eval_rows": None if eval_dataset is None else len(eval_dataset),
         "tokenizer": _tokenizer_settings(tokenizer),
     }
-    measured = {"empty": True, "repeated": True, "repeated_other": True, "short": True, "duplicate": True,
+    measured = {"malformed": True, "refusal": True, "error_string": True, "cut_off": True, "echo": True,
+                "language": True, "empty": True, "repeated": True, "repeated_other": True, "short": True, "duplicate": True,
                 "conflict": True, "overlap": eval_dataset is not None,
                 "no_trainable_tokens": tokenizer is not None, "eos_not_in_labels": tokenizer is not None,
                 "truncated": tokenizer is not None and max_length is not None,
@@ -82,7 +96,7 @@ def audit(dataset, *, tokenizer=None, max_length: int | None = None, checks: dic
     counts = {key: found.get(key, 0) if ok else None for key, ok in measured.items()}
     lap.timings["total"] = sum(lap.timings.values())
     return AuditReport(len(rows), shape, settings, findings, _completion_chars(completions), token_stats, counts,
-                       lap.timings, engine)
+                       lap.timings, engine, labels)
 
 
 class _Laps:
@@ -98,15 +112,26 @@ class _Laps:
         self._clock = now
 
 
-def _text_findings(completions: list[str], requests, *, min_completion_chars: int, repeat_min_rows: int,
-                   repeat_share_block: float) -> list[Finding]:
-    """Empty, repeated and very short answers; an answer counted as junk repeat is not reported as short too."""
-    empty = _empty_finding(completions)
-    repeats = _repeat_findings(completions, requests, repeat_min_rows=repeat_min_rows,
-                               repeat_share_block=repeat_share_block)
+def _text_findings(completions: list[str], asked: list[str], *, min_completion_chars: int, repeat_min_rows: int,
+                   repeat_share_block: float) -> tuple[list[Finding], dict | None]:
+    """(findings, the label set's classes or None): empty, repeated and very short answers, the junk real data
+    carries, and for a label set its class balance. An answer counted as a junk repeat is not reported as short."""
+    groups = _answer_groups(completions)
+    answered = sum(len(r) for r in groups.values())
+    classes = label_classes(groups, answered, repeat_min_rows)
+    repeats = _repeat_findings(completions, asked.__getitem__, repeat_min_rows=repeat_min_rows,
+                               repeat_share_block=repeat_share_block, groups=groups, label_set=classes is not None)
     junk = next((f for f in repeats if f.id == "repeated"), None)
-    short = _short_finding(completions, min_completion_chars, set(junk.rows) if junk else set())
-    return [f for f in (empty, *repeats, short) if f is not None]
+    found = [_empty_finding(completions), *repeats, refusal_finding(completions), error_finding(completions),
+             cut_off_finding(completions), echo_finding(completions, asked), language_finding(completions, asked)[0]]
+    labels = None
+    if classes is not None:
+        found += balance_findings(classes, groups, answered, completions)
+        labels = {"line": balance_line(classes, answered),
+                  "classes": {text: len(rows) for text, rows in classes.items()}}
+    else:
+        found.append(_short_finding(completions, min_completion_chars, set(junk.rows) if junk else set()))
+    return [f for f in found if f is not None], labels
 
 
 def _eval_overlap(prompts: list[str], eval_dataset, requests) -> list[Finding]:

@@ -1,0 +1,166 @@
+"""Junk that real public data sets carry, found by what it says rather than by how often it repeats: refusals and
+AI boilerplate distilled from a chat model, API and pipeline error strings, answers cut off at a token limit, the
+prompt copied back as the answer, and answers in another language than the rest.
+
+Each rule is judged against the other rows: a refusal among helpful answers is junk, a data set of refusals is a
+safety set; an answer that stops mid-sentence is junk where the other answers end their sentences. A kind that
+covers more than JUDGEMENT_SHARE of the rows is probably what the data is meant to be, so it is a warning (shown,
+kept) rather than a blocking finding (dropped by auto_clean).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+from freetune.audit.findings import ACCEPT_PARAMETER, BLOCKING, CLEAN_PARAMETER, WARNING, Finding, _cut, _n
+
+# Above this share of the rows a kind of "junk" is more likely the data's purpose (a safety set teaching refusals,
+# an extraction set answering "N/A"): warn instead of dropping.
+JUDGEMENT_SHARE = 0.10
+HEAD_CHARS = 300          # refusals and error strings say so at the start; long answers are read no further
+
+REFUSAL = re.compile(
+    r"^\W*(?:i(?:'|’)?m (?:really |very )?sorry|i am (?:really |very )?sorry|sorry|i apologi[sz]e|unfortunately)"
+    r"[^\n]{0,80}?\b(?:can(?:'|’)?t|cannot|can not|unable|not able|won(?:'|’)t|not (?:allowed|permitted))\b"
+    r"|^\W*i (?:can(?:'|’)?t|cannot|won(?:'|’)t|am unable to|(?:'|’)?m unable to|am not able to|must decline)\b"
+    r"|\bas an ai\b|\bas a (?:large )?language model\b|\bi(?:'|’)?m (?:just )?an ai\b"
+    r"|\bi am (?:just )?an ai\b|\bi do not have (?:personal )?(?:opinions|feelings|access to real-time)",
+    re.IGNORECASE)
+
+# The error strings of APIs and pipelines, one pattern per kind: a row matching one is an error, not an answer.
+ERROR_KINDS = {
+    "HTTP status": re.compile(
+        r"^\W*(?:http(?:error)?\W*(?:\d(?:\.\d)?\W*)?)?(?:error\W*)?[45]\d\d\b\W*(?:[a-z]+\W*){0,3}"
+        r"(?:too many requests|internal server error|bad gateway|service unavailable|gateway time-?out|not found"
+        r"|forbidden|unauthori[sz]ed|bad request|client error|server error|overloaded)", re.IGNORECASE),
+    "error prefix": re.compile(r"^\W*(?:\[\s*(?:error|fatal)\s*\]|(?:error|fatal error|failed)\s*[:!]"
+                               r"|(?:http\W*)?(?:error|status)\W*[45]\d\d\W*$)", re.IGNORECASE),
+    "exception": re.compile(r"traceback \(most recent call last\)|^\W*(?:[a-z_][\w]*\.)*[A-Z]\w*(?:Error|Exception"
+                            r"|Timeout|Interrupt)\b\s*(?::|$)"),
+    "JSON error object": re.compile(r"^\s*\{\s*\"(?:error|errors|detail|error_message)\"\s*:", re.IGNORECASE),
+    "pipeline message": re.compile(
+        r"^\W*(?:request timed out|rate limit(?:ed| exceeded| reached)|the server had an error|internal server error"
+        r"|service unavailable|connection (?:error|reset|refused|aborted)|timed out|context_length_exceeded"
+        r"|no response|empty response|<!doctype html|<html)", re.IGNORECASE),
+}
+# Whole answers that are a missing value written out: a stringified None, a JSON null, a spreadsheet's N/A.
+PLACEHOLDERS = {"null", "none", "nil", "n/a", "n.a.", "na", "undefined", "nan", "{}", "[]", '""', "''", "<unk>",
+                "error", "-", "--", "?"}
+
+CLEAN_ENDING = set(".!?。！？…)]}>\"'”’`*;:|")
+CUT_MIN_WORDS = 8         # an answer of fewer words is a label or a value: it has no sentence to stop in
+ENDING_NORM = 0.90        # mid-sentence endings count only where at least this share of prose answers end cleanly
+BALANCE_NORM = 0.97       # unbalanced brackets count only where at least this share of answers balance
+MIN_JUDGED = 20           # fewer comparable rows than this: no norm to judge against
+PAIRS = (("(", ")"), ("[", "]"), ("{", "}"))
+
+
+def _severity(count: int, total: int) -> str:
+    return BLOCKING if count <= JUDGEMENT_SHARE * total else WARNING
+
+
+def _keep_note(severity: str) -> str:
+    if severity == BLOCKING:
+        return f" Dropped with `{CLEAN_PARAMETER}=True`; if they are real answers, set `{ACCEPT_PARAMETER}=True`."
+    return " So many that they may be what the data is meant to teach: kept. Look at the examples."
+
+
+def _finding(fid: str, title: str, what: str, rows: list[int], completions: list[str], total: int,
+             severity: str | None = None, details: dict | None = None) -> Finding:
+    severity = severity or _severity(len(rows), total)
+    examples = [_cut(completions[i], 80) for i in rows[:3]]
+    return Finding(fid, fid, severity, title,
+                   f"{_n(len(rows), 'row')} {what}, e.g. {examples[0]!r}.{_keep_note(severity)}", rows, len(rows),
+                   {"examples": examples, **(details or {})})
+
+
+def refusal_finding(completions: list[str]) -> Finding | None:
+    rows = [i for i, c in enumerate(completions) if c and REFUSAL.search(c[:HEAD_CHARS])]
+    if not rows:
+        return None
+    return _finding("refusal", "refusal or AI boilerplate",
+                    "refusing or speaking as an AI (distilled from a chat model): the model learns to refuse",
+                    rows, completions, len(completions))
+
+
+def error_kind(text: str) -> str | None:
+    """Which kind of API/pipeline error string the answer is, or None."""
+    head = text.strip()[:HEAD_CHARS]
+    if head.lower() in PLACEHOLDERS:
+        return "placeholder"
+    for kind, pattern in ERROR_KINDS.items():
+        if pattern.search(head):
+            return kind
+    return None
+
+
+def error_finding(completions: list[str]) -> Finding | None:
+    kinds = {i: k for i, c in enumerate(completions) if c and (k := error_kind(c)) is not None}
+    if not kinds:
+        return None
+    rows = sorted(kinds)
+    by_kind = Counter(kinds.values())
+    return _finding("error_string", "API or pipeline error string",
+                    f"whose answer is an error message or a missing value ({', '.join(f'{k} {n}' for k, n in by_kind.most_common())})",
+                    rows, completions, len(completions), details={"kinds": dict(by_kind)})
+
+
+def _words(text: str) -> int:
+    return text.count(" ") + 1
+
+
+def ends_mid_sentence(text: str) -> bool:
+    text = text.rstrip()
+    return bool(text) and text[-1] not in CLEAN_ENDING and not text[-1].isdigit()
+
+
+def opens_unclosed(text: str) -> bool:
+    """More brackets, code fences or XML/HTML tags opened than closed: what cutting an answer short leaves."""
+    if any(text.count(a) > text.count(b) for a, b in PAIRS) or text.count("```") % 2:
+        return True
+    if "</" in text or "/>" in text:
+        opened = text.count("<") - 2 * text.count("</") - text.count("<?") - text.count("<!") - text.count("/>")
+        return opened > 0
+    return False
+
+
+def _has_brackets(text: str) -> bool:
+    return any(a in text for a, _ in PAIRS) or "</" in text or "/>" in text or "```" in text
+
+
+def cut_off_finding(completions: list[str]) -> Finding | None:
+    """Answers that stop mid-sentence where prose answers end their sentences, or leave brackets/tags open where
+    answers balance them."""
+    prose = [i for i, c in enumerate(completions) if c and _words(c) >= CUT_MIN_WORDS]
+    mid = [i for i in prose if ends_mid_sentence(completions[i])]
+    cut = set(mid) if len(prose) >= MIN_JUDGED and len(mid) <= (1 - ENDING_NORM) * len(prose) else set()
+    bracketed = [i for i, c in enumerate(completions) if c and _has_brackets(c)]
+    open_rows = [i for i in bracketed if opens_unclosed(completions[i])]
+    if len(bracketed) >= MIN_JUDGED and len(open_rows) <= (1 - BALANCE_NORM) * len(bracketed):
+        cut.update(open_rows)
+    if not cut:
+        return None
+    return _finding("cut_off", "answer cut off",
+                    "stopping mid-sentence or with brackets/tags left open, where the other answers end cleanly "
+                    "(generation stopped at a token limit): the model learns to stop mid-thought",
+                    sorted(cut), completions, len(completions))
+
+
+def _key(text: str) -> str:
+    return " ".join(text.split()).lower()
+
+
+def echo_finding(completions: list[str], requests: list[str]) -> Finding | None:
+    """The prompt copied back as the answer (whole, or with a few characters added)."""
+    rows = []
+    for i, (c, r) in enumerate(zip(completions, requests)):
+        if not c or len(r) < 12:
+            continue
+        answer, asked = _key(c), _key(r)
+        if answer == asked or (answer.startswith(asked) and len(answer) <= 1.1 * len(asked) + 10):
+            rows.append(i)
+    if not rows:
+        return None
+    return _finding("echo", "prompt echoed as answer", "whose answer repeats the prompt: nothing is learnt but copying",
+                    rows, completions, len(completions))
