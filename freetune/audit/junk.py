@@ -36,24 +36,25 @@ ERROR_KINDS = {
         r"|forbidden|unauthori[sz]ed|bad request|client error|server error|overloaded)", re.IGNORECASE),
     "error prefix": re.compile(r"^\W*(?:\[\s*(?:error|fatal)\s*\]|(?:error|fatal error|failed)\s*[:!]"
                                r"|(?:http\W*)?(?:error|status)\W*[45]\d\d\W*$)", re.IGNORECASE),
-    "exception": re.compile(r"traceback \(most recent call last\)|^\W*(?:[a-z_][\w]*\.)*[A-Z]\w*(?:Error|Exception"
-                            r"|Timeout|Interrupt)\b\s*(?::|$)"),
+    "exception": re.compile(r"[Tt]raceback \(most recent call last\)|^\W*(?:[a-z_]\w*\.)*(?:[A-Z]\w*)?(?:Error"
+                            r"|Exception|Timeout|Interrupt)\b\s*(?::|$)"),
     "JSON error object": re.compile(r"^\s*\{\s*\"(?:error|errors|detail|error_message)\"\s*:", re.IGNORECASE),
     "pipeline message": re.compile(
         r"^\W*(?:request timed out|rate limit(?:ed| exceeded| reached)|the server had an error|internal server error"
         r"|service unavailable|connection (?:error|reset|refused|aborted)|timed out|context_length_exceeded"
-        r"|no response|empty response|<!doctype html|<html)", re.IGNORECASE),
+        r"|no (?:valid )?response|empty response|<!doctype html|<html)", re.IGNORECASE),
 }
 # Whole answers that are a missing value written out: a stringified None, a JSON null, a spreadsheet's N/A.
 PLACEHOLDERS = {"null", "none", "nil", "n/a", "n.a.", "na", "undefined", "nan", "{}", "[]", '""', "''", "<unk>",
                 "error", "-", "--", "?"}
 
 CLEAN_ENDING = set(".!?。！？…)]}>\"'”’`*;:|")
-CUT_MIN_WORDS = 8         # an answer of fewer words is a label or a value: it has no sentence to stop in
+CUT_MIN_WORDS = 4         # an answer of fewer words is a label or a value: it has no sentence to stop in
 ENDING_NORM = 0.90        # mid-sentence endings count only where at least this share of prose answers end cleanly
 BALANCE_NORM = 0.97       # unbalanced brackets count only where at least this share of answers balance
 MIN_JUDGED = 20           # fewer comparable rows than this: no norm to judge against
 PAIRS = (("(", ")"), ("[", "]"), ("{", "}"))
+STRUCTURE_ENDINGS = set(";>}]`")
 
 
 def _severity(count: int, total: int) -> str:
@@ -95,8 +96,11 @@ def error_kind(text: str) -> str | None:
     return None
 
 
-def error_finding(completions: list[str]) -> Finding | None:
-    kinds = {i: k for i, c in enumerate(completions) if c and (k := error_kind(c)) is not None}
+def error_finding(completions: list[str], excluded: set[int] = frozenset()) -> Finding | None:
+    """excluded: rows another finding already names for the same reason (a repeated stub such as "No valid
+    response from model." keeps its own finding)."""
+    kinds = {i: k for i, c in enumerate(completions)
+             if c and i not in excluded and (k := error_kind(c)) is not None}
     if not kinds:
         return None
     rows = sorted(kinds)
@@ -111,31 +115,42 @@ def _words(text: str) -> int:
 
 
 def ends_mid_sentence(text: str) -> bool:
+    """Ends in a word, a number or a comma: where the other answers end with a full stop, a closing bracket or a
+    semicolon, that is where a token limit stopped it."""
     text = text.rstrip()
-    return bool(text) and text[-1] not in CLEAN_ENDING and not text[-1].isdigit()
+    return bool(text) and text[-1] not in CLEAN_ENDING
 
 
 def opens_unclosed(text: str) -> bool:
     """More brackets, code fences or XML/HTML tags opened than closed: what cutting an answer short leaves."""
     if any(text.count(a) > text.count(b) for a, b in PAIRS) or text.count("```") % 2:
         return True
-    if "</" in text or "/>" in text:
+    if _TAG.search(text):
         opened = text.count("<") - 2 * text.count("</") - text.count("<?") - text.count("<!") - text.count("/>")
         return opened > 0
     return False
 
 
+_TAG = re.compile(r"<[A-Za-z]")
+
+
 def _has_brackets(text: str) -> bool:
-    return any(a in text for a, _ in PAIRS) or "</" in text or "/>" in text or "```" in text
+    return any(a in text for a, _ in PAIRS) or "```" in text or bool(_TAG.search(text))
 
 
-def cut_off_finding(completions: list[str]) -> Finding | None:
+def cut_off_finding(completions: list[str], excluded: set[int] = frozenset()) -> Finding | None:
     """Answers that stop mid-sentence where prose answers end their sentences, or leave brackets/tags open where
-    answers balance them."""
-    prose = [i for i, c in enumerate(completions) if c and _words(c) >= CUT_MIN_WORDS]
+    answers balance them. excluded: rows other rules already name (an error string among SQL answers does not end
+    with a semicolon either); they neither set the norm nor are judged by it."""
+    prose = [i for i, c in enumerate(completions) if c and i not in excluded and _words(c) >= CUT_MIN_WORDS]
     mid = [i for i in prose if ends_mid_sentence(completions[i])]
     cut = set(mid) if len(prose) >= MIN_JUDGED and len(mid) <= (1 - ENDING_NORM) * len(prose) else set()
-    bracketed = [i for i, c in enumerate(completions) if c and _has_brackets(c)]
+    # Structured answers (SQL, fenced code, SVG, JSON) end with one closing character; one that does not was cut.
+    endings = Counter(completions[i].rstrip()[-1] for i in prose)
+    top, n = endings.most_common(1)[0] if endings else ("", 0)
+    if top in STRUCTURE_ENDINGS and len(prose) >= MIN_JUDGED and n >= BALANCE_NORM * len(prose):
+        cut.update(i for i in prose if completions[i].rstrip()[-1] != top)
+    bracketed = [i for i, c in enumerate(completions) if c and i not in excluded and _has_brackets(c)]
     open_rows = [i for i in bracketed if opens_unclosed(completions[i])]
     if len(bracketed) >= MIN_JUDGED and len(open_rows) <= (1 - BALANCE_NORM) * len(bracketed):
         cut.update(open_rows)

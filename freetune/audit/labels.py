@@ -37,7 +37,8 @@ def balance_line(classes: dict[str, list[int]], answered: int) -> str:
 
 
 def balance_findings(classes: dict[str, list[int]], groups: dict[str, list[int]], answered: int,
-                     completions: list[str]) -> list[Finding]:
+                     completions: list[str], named: set[int] = frozenset()) -> list[Finding]:
+    """named: rows other findings already explain (a refusal, an error string): not "outside the classes" too."""
     findings = []
     even = 1 / len(classes)
     rare = {t: r for t, r in classes.items() if len(r) < min(MINORITY_SHARE, even / 4) * answered}
@@ -56,7 +57,7 @@ def balance_findings(classes: dict[str, list[int]], groups: dict[str, list[int]]
             f"{_cut(top_text, 30)!r} is the answer of {100 * len(top_rows) / answered:.0f}% of the rows: a model "
             f"that always answers it is right that often, so training loss and eval scores can look good while it "
             f"learns nothing. Balance the classes if you can.", [], len(top_rows)))
-    outside = sorted(i for t, r in groups.items() if t not in classes for i in r)
+    outside = sorted(i for t, r in groups.items() if t not in classes for i in r if i not in named)
     if outside and len(outside) <= OFF_LABEL_SHARE * answered:
         examples = [_cut(completions[i], 60) for i in outside[:3]]
         findings.append(Finding(

@@ -16,6 +16,8 @@ from freetune.audit.findings import WARNING, Finding, _cut, _n
 SAMPLE_CHARS = 400
 MAJORITY_SHARE = 0.9
 MIN_KNOWN = 20
+OTHER_LANGUAGE_SHARE = 0.1   # more answers in other languages than this: a multilingual set, not a slip
+PROMPTS_POOLED = 300
 MIN_HITS = 3              # common words a Latin-script text must have to be given a language
 
 SCRIPTS = {
@@ -32,8 +34,8 @@ NON_LATIN = re.compile("|".join(p.pattern for p in SCRIPTS.values()))
 WORD = re.compile(r"[a-zà-öø-ÿ]+")
 COMMON_WORDS = {
     "English": "the and is of to you that with for are this it was be have not they what can your".split(),
-    "Spanish": "el los las que y es una por con para del se no lo su como más pero muy".split(),
-    "French": "le les et est des une que pour dans vous pas du sur au ce qui avec sont il".split(),
+    "Spanish": "el la de en los las que y es una por con para del se no lo su como más pero muy".split(),
+    "French": "le la de en un les et est des une que pour dans vous pas du sur au ce qui avec sont il".split(),
     "German": "der die das und ist nicht ein eine mit zu den sie ich auf für es sich auch von".split(),
     "Portuguese": "os da do que não uma com para em dos das é se mais como ao por você".split(),
     "Italian": "il di che è per una non sono gli della del le con si anche questo ma più".split(),
@@ -44,9 +46,9 @@ for _language, _words in COMMON_WORDS.items():
         WORD_LANGUAGES.setdefault(_word, []).append(_language)
 
 
-def language_of(text: str) -> str | None:
+def language_of(text: str, sample_chars: int = SAMPLE_CHARS) -> str | None:
     """The text's language or script, or None when it has too few words to tell (code, numbers, labels)."""
-    sample = text[:SAMPLE_CHARS]
+    sample = text[:sample_chars]
     foreign = len(NON_LATIN.findall(sample))
     if foreign >= 5:
         counts = {name: len(p.findall(sample)) for name, p in SCRIPTS.items()}
@@ -61,18 +63,26 @@ def language_of(text: str) -> str | None:
     return best if n >= MIN_HITS and n >= 1.5 * rest[0][1] else None
 
 
-def language_finding(completions: list[str], requests: list[str]) -> tuple[Finding | None, str | None]:
-    """(finding, the data set's language)."""
-    languages = [language_of(c) if c else None for c in completions]
+def _majority(languages: list[str | None]) -> str | None:
     known = Counter(lang for lang in languages if lang)
     if sum(known.values()) < MIN_KNOWN:
-        return None, None
+        return None
     main, count = known.most_common(1)[0]
-    if count < MAJORITY_SHARE * sum(known.values()):
+    return main if count >= MAJORITY_SHARE * sum(known.values()) else None
+
+
+def language_finding(completions: list[str], requests: list[str]) -> tuple[Finding | None, str | None]:
+    """(finding, the data set's language). The data set's language is its answers' (or, where answers are code,
+    JSON or labels, its prompts'); a row is named when its answer is in another language than that and than its
+    own prompt. When many rows are, the data is multilingual and nothing is named."""
+    languages = [language_of(c) if c else None for c in completions]
+    asked = [language_of(r) if r else None for r in requests]
+    # Short prompts ("Draw design 5.") rarely tell their language one by one; a few hundred of them together do.
+    main = _majority(languages) or _majority(asked) or language_of(" ".join(requests[:PROMPTS_POOLED]), 20_000)
+    if main is None:
         return None, None
-    rows = [i for i, lang in enumerate(languages)
-            if lang and lang != main and language_of(requests[i]) != lang]
-    if not rows:
+    rows = [i for i, lang in enumerate(languages) if lang and lang != main and asked[i] != lang]
+    if not rows or len(rows) > OTHER_LANGUAGE_SHARE * len(completions):
         return None, main
     found = Counter(languages[i] for i in rows)
     examples = [_cut(completions[i], 80) for i in rows[:3]]

@@ -50,7 +50,8 @@ def audit(dataset, *, tokenizer=None, max_length: int | None = None, checks: dic
     def requests(i: int) -> str:
         return asked[i]
 
-    findings, labels = _text_findings(completions, asked, min_completion_chars=min_completion_chars,
+    findings, labels = _text_findings(completions, asked, _Turns(rows, completions, asked),
+                                      min_completion_chars=min_completion_chars,
                                       repeat_min_rows=repeat_min_rows, repeat_share_block=repeat_share_block)
     if malformed is not None:
         findings.append(malformed)
@@ -112,8 +113,8 @@ class _Laps:
         self._clock = now
 
 
-def _text_findings(completions: list[str], asked: list[str], *, min_completion_chars: int, repeat_min_rows: int,
-                   repeat_share_block: float) -> tuple[list[Finding], dict | None]:
+def _text_findings(completions: list[str], asked: list[str], turns: "_Turns", *, min_completion_chars: int,
+                   repeat_min_rows: int, repeat_share_block: float) -> tuple[list[Finding], dict | None]:
     """(findings, the label set's classes or None): empty, repeated and very short answers, the junk real data
     carries, and for a label set its class balance. An answer counted as a junk repeat is not reported as short."""
     groups = _answer_groups(completions)
@@ -121,17 +122,47 @@ def _text_findings(completions: list[str], asked: list[str], *, min_completion_c
     classes = label_classes(groups, answered, repeat_min_rows)
     repeats = _repeat_findings(completions, asked.__getitem__, repeat_min_rows=repeat_min_rows,
                                repeat_share_block=repeat_share_block, groups=groups, label_set=classes is not None)
-    junk = next((f for f in repeats if f.id == "repeated"), None)
-    found = [_empty_finding(completions), *repeats, refusal_finding(completions), error_finding(completions),
-             cut_off_finding(completions), echo_finding(completions, asked), language_finding(completions, asked)[0]]
+    stub = next((f for f in repeats if f.id == "repeated"), None)
+    stub_rows = set(stub.rows) if stub else set()
+    content = [refusal_finding(turns.texts),
+               error_finding(turns.texts, {t for t, row in enumerate(turns.rows) if row in stub_rows}),
+               echo_finding(turns.texts, turns.requests), language_finding(turns.texts, turns.requests)[0]]
+    explained = stub_rows | {t for f in content if f is not None for t in f.rows}
+    content = [turns.on_rows(f) for f in (*content, cut_off_finding(turns.texts, explained)) if f is not None]
+    found = [_empty_finding(completions), *repeats, *content]
     labels = None
     if classes is not None:
-        found += balance_findings(classes, groups, answered, completions)
+        named = {i for f in content for i in f.rows}
+        found += balance_findings(classes, groups, answered, completions, named)
         labels = {"line": balance_line(classes, answered),
                   "classes": {text: len(rows) for text, rows in classes.items()}}
     else:
-        found.append(_short_finding(completions, min_completion_chars, set(junk.rows) if junk else set()))
+        found.append(_short_finding(completions, min_completion_chars, stub_rows))
     return [f for f in found if f is not None], labels
+
+
+class _Turns:
+    """Every answer turn with the turn that asked for it: junk in any assistant turn of a conversation counts,
+    not only in the last one. `rows[t]` is the row turn t belongs to."""
+
+    def __init__(self, rows: list[dict], completions: list[str], asked: list[str]):
+        self.texts, self.requests, self.rows = [], [], []
+        for i, row in enumerate(rows):
+            turns = row.get("messages") if isinstance(row.get("messages"), list) else None
+            if turns is None:
+                self.texts.append(completions[i]), self.requests.append(asked[i]), self.rows.append(i)
+                continue
+            for k, turn in enumerate(turns):
+                if isinstance(turn, dict) and turn.get("role") == "assistant" and isinstance(turn.get("content"), str):
+                    before = turns[k - 1].get("content") if k and isinstance(turns[k - 1], dict) else ""
+                    self.texts.append(turn["content"].strip())
+                    self.requests.append(before if isinstance(before, str) else "")
+                    self.rows.append(i)
+
+    def on_rows(self, finding: Finding) -> Finding:
+        rows = sorted({self.rows[t] for t in finding.rows})
+        finding.rows, finding.count = rows, len(rows)
+        return finding
 
 
 def _eval_overlap(prompts: list[str], eval_dataset, requests) -> list[Finding]:
