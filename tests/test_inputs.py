@@ -259,16 +259,19 @@ def test_every_answer_one_stub_is_blocked_without_task_checks():
         audit.audit_and_clean(rows, auto_clean=True, accept_problems=False, checks=None)
 
 
-def test_few_distinct_answers_blocked_only_when_one_covers_half_the_rows():
+def test_few_distinct_answers_are_a_label_set_not_junk():
     def labels(counts):
         rows = [{"prompt": f"Review {i}: it was {label}.", "completion": label}
                 for label, n in counts.items() for i in range(n)]
         return audit.audit(datasets.Dataset.from_list(rows))
 
     skewed = labels({"positive": 30, "negative": 15, "neutral": 5})
-    assert [f.id for f in skewed.blocking] == ["repeated"] and skewed.blocking[0].count == 30
-    assert "class labels, set `auto_clean=False` and `accept_data_problems=True`" in skewed.blocking[0].message
-    assert labels({"positive": 20, "negative": 20, "neutral": 20}).blocking == []
+    assert skewed.blocking == [] and skewed.warnings == []
+    assert skewed.labels["classes"] == {"positive": 30, "negative": 15, "neutral": 5}
+    assert "Label set: 3 classes" in skewed.table()
+    # One answer left alone is still a stub: nothing else to learn.
+    single = labels({"positive": 30, "negative": 1})
+    assert [f.id for f in single.blocking] == ["repeated"] and single.blocking[0].count == 30
 
 
 # --------------------------------------------------------------------------------- data as it comes

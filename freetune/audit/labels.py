@@ -37,8 +37,8 @@ def balance_line(classes: dict[str, list[int]], answered: int) -> str:
 
 
 def balance_findings(classes: dict[str, list[int]], groups: dict[str, list[int]], answered: int,
-                     completions: list[str], named: set[int] = frozenset()) -> list[Finding]:
-    """named: rows other findings already explain (a refusal, an error string): not "outside the classes" too."""
+                     completions: list[str]) -> list[Finding]:
+    """groups: {answer: rows} without the rows other findings already explain (a refusal, an error string)."""
     findings = []
     even = 1 / len(classes)
     rare = {t: r for t, r in classes.items() if len(r) < min(MINORITY_SHARE, even / 4) * answered}
@@ -48,7 +48,7 @@ def balance_findings(classes: dict[str, list[int]], groups: dict[str, list[int]]
         names = ", ".join(f"{_cut(t, 30)!r} {100 * len(r) / answered:.1f}%" for t, r in list(rare.items())[:5])
         findings.append(Finding(
             "rare_class", "class_balance", WARNING, "rare class",
-            f"{_n(len(rare), 'class')} with few rows ({names}): too few to learn, or junk that repeats. Check "
+            f"{len(rare)} {'class' if len(rare) == 1 else 'classes'} with few rows ({names}): too few to learn, or junk that repeats. Check "
             f"them; add rows of that class, or drop them.", rows, len(rows),
             {"classes": {t: len(r) for t, r in rare.items()}}))
     if len(top_rows) > DOMINANT_CLASS * answered:
@@ -57,7 +57,7 @@ def balance_findings(classes: dict[str, list[int]], groups: dict[str, list[int]]
             f"{_cut(top_text, 30)!r} is the answer of {100 * len(top_rows) / answered:.0f}% of the rows: a model "
             f"that always answers it is right that often, so training loss and eval scores can look good while it "
             f"learns nothing. Balance the classes if you can.", [], len(top_rows)))
-    outside = sorted(i for t, r in groups.items() if t not in classes for i in r if i not in named)
+    outside = sorted(i for t, r in groups.items() if t not in classes for i in r)
     if outside and len(outside) <= OFF_LABEL_SHARE * answered:
         examples = [_cut(completions[i], 60) for i in outside[:3]]
         findings.append(Finding(

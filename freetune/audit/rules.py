@@ -58,17 +58,20 @@ def _answer_groups(completions: list[str]) -> dict[str, list[int]]:
 
 def _repeat_findings(completions: list[str], requests: Callable[[int], str], *, repeat_min_rows: int,
                      repeat_share_block: float, groups: dict[str, list[int]] | None = None,
-                     label_set: bool = False) -> list[Finding]:
+                     label_set: bool = False, yardstick: dict[str, list[int]] | None = None) -> list[Finding]:
     """The junk repeat (a short answer standing out against varied or longer ones) and, outside label sets,
     legitimate-looking answers repeated by a notable share of the rows. A label set's classes are neither: they
-    are reported by freetune.audit.labels."""
+    are reported by freetune.audit.labels. yardstick: the answers to measure typical length on (default: all);
+    the audit leaves out those other rules name, so the length a stub is judged by does not move once they are
+    cleaned."""
     if label_set:
         return []
     total = len(completions)
     groups = _answer_groups(completions) if groups is None else groups
     # The typical answer length over *distinct* answers: junk repeated over most rows still counts once, so it
     # cannot become the yardstick it is measured against.
-    median_chars = statistics.median(len(text) for text in groups) if groups else 0
+    yardstick = groups if not yardstick else yardstick
+    median_chars = statistics.median(len(text) for text in yardstick) if yardstick else 0
     repeated = [(text, rows) for text, rows in groups.items() if len(rows) >= repeat_min_rows]
     if not repeated:
         return []

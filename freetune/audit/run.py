@@ -118,27 +118,38 @@ def _text_findings(completions: list[str], asked: list[str], turns: "_Turns", *,
     """(findings, the label set's classes or None): empty, repeated and very short answers, the junk real data
     carries, and for a label set its class balance. An answer counted as a junk repeat is not reported as short."""
     groups = _answer_groups(completions)
-    answered = sum(len(r) for r in groups.values())
-    classes = label_classes(groups, answered, repeat_min_rows)
+    # Junk named by what it says (a refusal, an error string) is not a class, however often it repeats.
+    content = _content_findings(turns, set())
+    named = {i for f in content for i in f.rows}
+    label_groups = {t: kept for t, r in groups.items() if (kept := [i for i in r if i not in named])}
+    answered = sum(len(r) for r in label_groups.values())
+    classes = label_classes(label_groups, answered, repeat_min_rows)
     repeats = _repeat_findings(completions, asked.__getitem__, repeat_min_rows=repeat_min_rows,
-                               repeat_share_block=repeat_share_block, groups=groups, label_set=classes is not None)
+                               repeat_share_block=repeat_share_block, groups=groups, label_set=classes is not None,
+                               yardstick=label_groups)
     stub = next((f for f in repeats if f.id == "repeated"), None)
     stub_rows = set(stub.rows) if stub else set()
-    content = [refusal_finding(turns.texts),
-               error_finding(turns.texts, {t for t, row in enumerate(turns.rows) if row in stub_rows}),
-               echo_finding(turns.texts, turns.requests), language_finding(turns.texts, turns.requests)[0]]
-    explained = stub_rows | {t for f in content if f is not None for t in f.rows}
-    content = [turns.on_rows(f) for f in (*content, cut_off_finding(turns.texts, explained)) if f is not None]
+    if stub_rows:  # the stub keeps its own finding (the 84 "No valid response from model." rows read as before)
+        content = _content_findings(turns, stub_rows)
     found = [_empty_finding(completions), *repeats, *content]
     labels = None
     if classes is not None:
-        named = {i for f in content for i in f.rows}
-        found += balance_findings(classes, groups, answered, completions, named)
+        found += balance_findings(classes, label_groups, answered, completions)
         labels = {"line": balance_line(classes, answered),
                   "classes": {text: len(rows) for text, rows in classes.items()}}
     else:
         found.append(_short_finding(completions, min_completion_chars, stub_rows))
     return [f for f in found if f is not None], labels
+
+
+def _content_findings(turns: "_Turns", stub_rows: set[int]) -> list[Finding]:
+    """Refusals, error strings, echoed prompts, other languages, then cut-off answers judged against the rows none
+    of those explain; on rows."""
+    stub_turns = {t for t, row in enumerate(turns.rows) if row in stub_rows}
+    content = [refusal_finding(turns.texts), error_finding(turns.texts, stub_turns),
+               echo_finding(turns.texts, turns.requests), language_finding(turns.texts, turns.requests)[0]]
+    explained = stub_turns | {t for f in content if f is not None for t in f.rows}
+    return [turns.on_rows(f) for f in (*content, cut_off_finding(turns.texts, explained)) if f is not None]
 
 
 class _Turns:
@@ -150,7 +161,7 @@ class _Turns:
         for i, row in enumerate(rows):
             turns = row.get("messages") if isinstance(row.get("messages"), list) else None
             if turns is None:
-                self.texts.append(completions[i]), self.requests.append(asked[i]), self.rows.append(i)
+                self.texts.append(completions[i].strip()), self.requests.append(asked[i]), self.rows.append(i)
                 continue
             for k, turn in enumerate(turns):
                 if isinstance(turn, dict) and turn.get("role") == "assistant" and isinstance(turn.get("content"), str):
