@@ -124,12 +124,14 @@ print(f"run folder: {paths.run_dir}")
 tokenizer = freetune.model.load_tokenizer(model_id, chat_template=chat_template)
 rows = freetune.data.normalize(freetune.data.load_rows(dataset, split=dataset_split), columns=columns)
 rows = freetune.data.as_chat(rows, system_prompt)  # an instruct model learns best in its own chat format
-train_rows, held_out = freetune.data.split_eval(rows, eval_rows, seed=seed)
-print(freetune.model.check_chat_template(tokenizer, train_rows))
-train_rows, audit_report, cleaning = freetune.audit.audit_and_clean(
-    train_rows, tokenizer=tokenizer, max_length=plan.max_length, checks=freetune.tasks.svg.AUDIT_CHECKS,
-    eval_dataset=held_out, auto_clean=auto_clean, accept_problems=accept_data_problems,
+print(freetune.model.check_chat_template(tokenizer, rows))
+# Audited and cleaned before the split: the held-out rows pass the same checks, and with duplicates and
+# conflicting answers gone no prompt can be on both sides.
+rows, audit_report, cleaning = freetune.audit.audit_and_clean(
+    rows, tokenizer=tokenizer, max_length=plan.max_length, checks=freetune.tasks.svg.AUDIT_CHECKS, source=dataset,
+    auto_clean=auto_clean, accept_problems=accept_data_problems,
 )
+train_rows, held_out = freetune.data.split_eval(rows, eval_rows, seed=seed)
 plan = freetune.preflight.replan(plan, longest_row=audit_report.longest_row)  # sized for these rows
 print(f"Plan for these rows: {plan.one_line()}")
 freetune.data.save_prepared(paths.data, train_rows, held_out)
