@@ -12,7 +12,7 @@ import pytest
 datasets = pytest.importorskip("datasets")
 
 from freetune.audit import audit, audit_and_clean
-from freetune.audit.junk import REFUSAL, error_kind
+from freetune.audit.junk import error_kind, is_refusal
 from freetune.data import load_rows, normalize
 from freetune.errors import FreetuneError
 from scripts.audit_shapes import ERRORS, JUNK_KINDS, REFUSALS, SHAPES, measure
@@ -72,14 +72,14 @@ def test_every_kind_of_error_string_is_recognised(text):
 
 @pytest.mark.parametrize("text", REFUSALS)
 def test_refusals_are_recognised(text):
-    assert REFUSAL.search(text)
+    assert is_refusal(text)
 
 
 @pytest.mark.parametrize("text", ["I can explain that.", "Sorry for the wait: here is the SVG.", "positive",
                                   "None of the options is correct, because the premise is false.", "42",
                                   '{"name": "Bob", "error_rate": 0.1}', "The HTTP 404 status means not found."])
 def test_answers_that_only_look_like_junk_are_not(text):
-    assert error_kind(text) is None and not REFUSAL.search(text)
+    assert error_kind(text) is None and not is_refusal(text)
 
 
 def test_unreadable_rows_are_named_with_their_field_and_dropped(tmp_path):

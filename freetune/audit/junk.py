@@ -76,8 +76,18 @@ def _finding(fid: str, title: str, what: str, rows: list[int], completions: list
                    {"examples": examples, **(details or {})})
 
 
+# Words every refusal pattern needs: a substring test on them skips the regex for almost every row.
+REFUSAL_WORDS = ("sorry", "apolog", "unfortunately", "i can", "i won", "unable", "decline", "an ai", "language model",
+                 "i do not have")
+
+
+def is_refusal(text: str) -> bool:
+    head = text[:HEAD_CHARS].lower()
+    return any(word in head for word in REFUSAL_WORDS) and REFUSAL.search(head) is not None
+
+
 def refusal_finding(completions: list[str]) -> Finding | None:
-    rows = [i for i, c in enumerate(completions) if c and REFUSAL.search(c[:HEAD_CHARS])]
+    rows = [i for i, c in enumerate(completions) if c and is_refusal(c)]
     if not rows:
         return None
     return _finding("refusal", "refusal or AI boilerplate",

@@ -40,6 +40,7 @@ COMMON_WORDS = {
     "Portuguese": "os da do que não uma com para em dos das é se mais como ao por você".split(),
     "Italian": "il di che è per una non sono gli della del le con si anche questo ma più".split(),
 }
+COMMON = frozenset(word for words in COMMON_WORDS.values() for word in words)
 WORD_LANGUAGES: dict[str, list[str]] = {}
 for _language, _words in COMMON_WORDS.items():
     for _word in _words:
@@ -53,10 +54,14 @@ def language_of(text: str, sample_chars: int = SAMPLE_CHARS) -> str | None:
     if foreign >= 5:
         counts = {name: len(p.findall(sample)) for name, p in SCRIPTS.items()}
         return max(counts, key=counts.get)
+    words = WORD.findall(sample.lower())
+    common = COMMON.intersection(words)  # in C: code, SVG and numbers share no word with the lists, and stop here
+    if not common:
+        return None
     hits: Counter = Counter()
-    for word in WORD.findall(sample.lower()):
-        for language in WORD_LANGUAGES.get(word, ()):
-            hits[language] += 1
+    for word in words:
+        if word in common:
+            hits.update(WORD_LANGUAGES[word])
     if not hits:
         return None
     (best, n), *rest = hits.most_common(2) + [("", 0)]
@@ -76,12 +81,12 @@ def language_finding(completions: list[str], requests: list[str]) -> tuple[Findi
     JSON or labels, its prompts'); a row is named when its answer is in another language than that and than its
     own prompt. When many rows are, the data is multilingual and nothing is named."""
     languages = [language_of(c) if c else None for c in completions]
-    asked = [language_of(r) if r else None for r in requests]
     # Short prompts ("Draw design 5.") rarely tell their language one by one; a few hundred of them together do.
-    main = _majority(languages) or _majority(asked) or language_of(" ".join(requests[:PROMPTS_POOLED]), 20_000)
+    main = (_majority(languages) or _majority([language_of(r) for r in requests[:PROMPTS_POOLED]])
+            or language_of(" ".join(requests[:PROMPTS_POOLED]), 20_000))
     if main is None:
         return None, None
-    rows = [i for i, lang in enumerate(languages) if lang and lang != main and asked[i] != lang]
+    rows = [i for i, lang in enumerate(languages) if lang and lang != main and language_of(requests[i]) != lang]
     if not rows or len(rows) > OTHER_LANGUAGE_SHARE * len(completions):
         return None, main
     found = Counter(languages[i] for i in rows)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 
 from freetune.audit.findings import BLOCKING, Check, Finding, _nearest_rank
@@ -119,7 +120,8 @@ def _text_findings(completions: list[str], asked: list[str], turns: "_Turns", *,
     carries, and for a label set its class balance. An answer counted as a junk repeat is not reported as short."""
     groups = _answer_groups(completions)
     # Junk named by what it says (a refusal, an error string) is not a class, however often it repeats.
-    content = _content_findings(turns, set())
+    found: dict = {}
+    content = _content_findings(turns, set(), found)
     named = {i for f in content for i in f.rows}
     label_groups = {t: kept for t, r in groups.items() if (kept := [i for i in r if i not in named])}
     answered = sum(len(r) for r in label_groups.values())
@@ -130,7 +132,7 @@ def _text_findings(completions: list[str], asked: list[str], turns: "_Turns", *,
     stub = next((f for f in repeats if f.id == "repeated"), None)
     stub_rows = set(stub.rows) if stub else set()
     if stub_rows:  # the stub keeps its own finding (the 84 "No valid response from model." rows read as before)
-        content = _content_findings(turns, stub_rows)
+        content = _content_findings(turns, stub_rows, found)
     found = [_empty_finding(completions), *repeats, *content]
     labels = None
     if classes is not None:
@@ -142,14 +144,16 @@ def _text_findings(completions: list[str], asked: list[str], turns: "_Turns", *,
     return [f for f in found if f is not None], labels
 
 
-def _content_findings(turns: "_Turns", stub_rows: set[int]) -> list[Finding]:
+def _content_findings(turns: "_Turns", stub_rows: set[int], found: dict) -> list[Finding]:
     """Refusals, error strings, echoed prompts, other languages, then cut-off answers judged against the rows none
-    of those explain; on rows."""
+    of those explain; on rows. found: filled on the first call with what does not depend on stub_rows."""
     stub_turns = {t for t, row in enumerate(turns.rows) if row in stub_rows}
-    content = [refusal_finding(turns.texts), error_finding(turns.texts, stub_turns),
-               echo_finding(turns.texts, turns.requests), language_finding(turns.texts, turns.requests)[0]]
+    if not found:
+        found |= {"refusal": refusal_finding(turns.texts), "echo": echo_finding(turns.texts, turns.requests),
+                  "language": language_finding(turns.texts, turns.requests)[0]}
+    content = [found["refusal"], error_finding(turns.texts, stub_turns), found["echo"], found["language"]]
     explained = stub_turns | {t for f in content if f is not None for t in f.rows}
-    return [turns.on_rows(f) for f in (*content, cut_off_finding(turns.texts, explained)) if f is not None]
+    return [turns.on_rows(copy.copy(f)) for f in (*content, cut_off_finding(turns.texts, explained)) if f is not None]
 
 
 class _Turns:

@@ -130,6 +130,19 @@ def _tokenised(tokenizer, rows: list[dict], shape: str, assistant_only: bool):
     return chat_batches(), loss_on, encode
 
 
+def _holds(ids: list[int], token: int | None, start: int, end: int) -> bool:
+    """Whether ids[start:end] holds the token (the EOS is usually last: looked at first)."""
+    if token is None:
+        return False
+    if ids[end - 1] == token:
+        return True
+    try:
+        ids.index(token, start, end)
+        return True
+    except ValueError:
+        return False
+
+
 def _token_findings(tokenizer, rows: list[dict], shape: str, max_length: int | None, assistant_only: bool
                     ) -> tuple[list[Finding], dict, str]:
     eos_id = tokenizer.eos_token_id
@@ -139,9 +152,15 @@ def _token_findings(tokenizer, rows: list[dict], shape: str, max_length: int | N
     for ids_batch, trained_batch in batches:
         for ids, trained_spec in zip(ids_batch, trained_batch):
             end = len(ids) if max_length is None else min(len(ids), max_length)
-            trained = (ids[trained_spec:end] if isinstance(trained_spec, int)
-                       else list(compress(ids[:end], trained_spec[:end])))
             lengths.append(len(ids))
+            if isinstance(trained_spec, int):  # no copy of the ids: most rows are only counted
+                count = max(0, end - trained_spec)
+                trainable.append(count)
+                has_eos.append(count > 0 and _holds(ids, eos_id, trained_spec, end))
+                if tail is None and count and end == len(ids):
+                    tail = ids[max(trained_spec, end - 3):end]
+                continue
+            trained = list(compress(ids[:end], trained_spec[:end]))
             trainable.append(len(trained))
             has_eos.append(eos_id is not None and eos_id in trained)
             if tail is None and trained and end == len(ids):
