@@ -36,14 +36,16 @@ ERROR_KINDS = {
         r"|forbidden|unauthori[sz]ed|bad request|client error|server error|overloaded)", re.IGNORECASE),
     "error prefix": re.compile(r"^\W*(?:\[\s*(?:error|fatal)\s*\]|(?:error|fatal error|failed)\s*[:!]"
                                r"|(?:http\W*)?(?:error|status)\W*[45]\d\d\W*$)", re.IGNORECASE),
-    "exception": re.compile(r"[Tt]raceback \(most recent call last\)|^\W*(?:[a-z_]\w*\.)*(?:[A-Z]\w*)?(?:Error"
-                            r"|Exception|Timeout|Interrupt)\b\s*(?::|$)"),
+    "exception": re.compile(r"^\W*(?:Traceback \(most recent call last\)|(?:[a-z_]\w*\.)*(?:[A-Z]\w*)?(?:Error"
+                            r"|Exception|Timeout|Interrupt)\b\s*(?::|$))"),
     "JSON error object": re.compile(r"^\s*\{\s*\"(?:error|errors|detail|error_message)\"\s*:", re.IGNORECASE),
     "pipeline message": re.compile(
         r"^\W*(?:request timed out|rate limit(?:ed| exceeded| reached)|the server had an error|internal server error"
         r"|service unavailable|connection (?:error|reset|refused|aborted)|timed out|context_length_exceeded"
         r"|no (?:valid )?response|empty response|<!doctype html|<html)", re.IGNORECASE),
 }
+ANY_ERROR = re.compile("|".join(f"(?{'i' if p.flags & re.IGNORECASE else ''}:{p.pattern})"
+                                for p in ERROR_KINDS.values()))
 # Whole answers that are a missing value written out: a stringified None, a JSON null, a spreadsheet's N/A.
 PLACEHOLDERS = {"null", "none", "nil", "n/a", "n.a.", "na", "undefined", "nan", "{}", "[]", '""', "''", "<unk>",
                 "error", "-", "--", "?"}
@@ -100,35 +102,27 @@ def error_kind(text: str) -> str | None:
     head = text.strip()[:HEAD_CHARS]
     if head.lower() in PLACEHOLDERS:
         return "placeholder"
-    for kind, pattern in ERROR_KINDS.items():
-        if pattern.search(head):
-            return kind
-    return None
+    if ANY_ERROR.match(head) is None:  # every kind is anchored at the start: one match instead of one per kind
+        return None
+    return next(kind for kind, pattern in ERROR_KINDS.items() if pattern.match(head))
 
 
-def error_finding(completions: list[str], excluded: set[int] = frozenset()) -> Finding | None:
-    """excluded: rows another finding already names for the same reason (a repeated stub such as "No valid
-    response from model." keeps its own finding)."""
-    kinds = {i: k for i, c in enumerate(completions)
-             if c and i not in excluded and (k := error_kind(c)) is not None}
+def error_kinds(completions: list[str]) -> dict[int, str]:
+    return {i: k for i, c in enumerate(completions) if c and (k := error_kind(c)) is not None}
+
+
+def error_finding(completions: list[str], kinds: dict[int, str], excluded: set[int] = frozenset()
+                  ) -> Finding | None:
+    """kinds: error_kinds(completions). excluded: rows another finding already names for the same reason (a
+    repeated stub such as "No valid response from model." keeps its own finding)."""
+    kinds = {i: k for i, k in kinds.items() if i not in excluded}
     if not kinds:
         return None
-    rows = sorted(kinds)
     by_kind = Counter(kinds.values())
     return _finding("error_string", "API or pipeline error string",
-                    f"whose answer is an error message or a missing value ({', '.join(f'{k} {n}' for k, n in by_kind.most_common())})",
-                    rows, completions, len(completions), details={"kinds": dict(by_kind)})
-
-
-def _words(text: str) -> int:
-    return text.count(" ") + 1
-
-
-def ends_mid_sentence(text: str) -> bool:
-    """Ends in a word, a number or a comma: where the other answers end with a full stop, a closing bracket or a
-    semicolon, that is where a token limit stopped it."""
-    text = text.rstrip()
-    return bool(text) and text[-1] not in CLEAN_ENDING
+                    f"whose answer is an error message or a missing value "
+                    f"({', '.join(f'{k} {n}' for k, n in by_kind.most_common())})",
+                    sorted(kinds), completions, len(completions), details={"kinds": dict(by_kind)})
 
 
 def opens_unclosed(text: str) -> bool:
@@ -142,26 +136,36 @@ def opens_unclosed(text: str) -> bool:
 
 
 _TAG = re.compile(r"<[A-Za-z]")
+_BRACKET = re.compile(r"[(\[{]|```|<[A-Za-z]")
 
 
-def _has_brackets(text: str) -> bool:
-    return any(a in text for a, _ in PAIRS) or "```" in text or bool(_TAG.search(text))
+def endings(completions: list[str]) -> dict[int, tuple[str, bool | None]]:
+    """{turn: (its last character, or None under CUT_MIN_WORDS words; whether it leaves brackets/tags open, or None
+    when it has none)} per answer: what cut_off_finding judges, worked out once per audit."""
+    out = {}
+    for i, c in enumerate(completions):
+        if c:
+            out[i] = (c[-1] if c.count(" ") + 1 >= CUT_MIN_WORDS else None,
+                      opens_unclosed(c) if _BRACKET.search(c) else None)
+    return out
 
 
-def cut_off_finding(completions: list[str], excluded: set[int] = frozenset()) -> Finding | None:
+def cut_off_finding(completions: list[str], ends: dict[int, tuple[str, bool | None]],
+                    excluded: set[int] = frozenset()) -> Finding | None:
     """Answers that stop mid-sentence where prose answers end their sentences, or leave brackets/tags open where
-    answers balance them. excluded: rows other rules already name (an error string among SQL answers does not end
-    with a semicolon either); they neither set the norm nor are judged by it."""
-    prose = [i for i, c in enumerate(completions) if c and i not in excluded and _words(c) >= CUT_MIN_WORDS]
-    mid = [i for i in prose if ends_mid_sentence(completions[i])]
+    answers balance them. ends: endings(completions). excluded: rows other rules already name (an error string
+    among SQL answers does not end with a semicolon either); they neither set the norm nor are judged by it."""
+    answers = [i for i in ends if i not in excluded]
+    prose = [i for i in answers if ends[i][0] is not None]
+    last = Counter(ends[i][0] for i in prose)
+    mid = [i for i in prose if ends[i][0] not in CLEAN_ENDING]
     cut = set(mid) if len(prose) >= MIN_JUDGED and len(mid) <= (1 - ENDING_NORM) * len(prose) else set()
     # Structured answers (SQL, fenced code, SVG, JSON) end with one closing character; one that does not was cut.
-    endings = Counter(completions[i].rstrip()[-1] for i in prose)
-    top, n = endings.most_common(1)[0] if endings else ("", 0)
+    top, n = last.most_common(1)[0] if last else ("", 0)
     if top in STRUCTURE_ENDINGS and len(prose) >= MIN_JUDGED and n >= BALANCE_NORM * len(prose):
-        cut.update(i for i in prose if completions[i].rstrip()[-1] != top)
-    bracketed = [i for i, c in enumerate(completions) if c and i not in excluded and _has_brackets(c)]
-    open_rows = [i for i in bracketed if opens_unclosed(completions[i])]
+        cut.update(i for i in prose if ends[i][0] != top)
+    bracketed = [i for i in answers if ends[i][1] is not None]
+    open_rows = [i for i in bracketed if ends[i][1]]
     if len(bracketed) >= MIN_JUDGED and len(open_rows) <= (1 - BALANCE_NORM) * len(bracketed):
         cut.update(open_rows)
     if not cut:
@@ -180,7 +184,7 @@ def echo_finding(completions: list[str], requests: list[str]) -> Finding | None:
     """The prompt copied back as the answer (whole, or with a few characters added)."""
     rows = []
     for i, (c, r) in enumerate(zip(completions, requests)):
-        if not c or len(r) < 12:
+        if not c or len(r) < 12 or len(c) > 2 * len(r) + 20:  # far longer than the prompt: not a copy of it
             continue
         answer, asked = _key(c), _key(r)
         if answer == asked or (answer.startswith(asked) and len(answer) <= 1.1 * len(asked) + 10):

@@ -13,7 +13,7 @@ from collections import Counter
 
 from freetune.audit.findings import WARNING, Finding, _cut, _n
 
-SAMPLE_CHARS = 400
+SAMPLE_CHARS = 200
 MAJORITY_SHARE = 0.9
 MIN_KNOWN = 20
 OTHER_LANGUAGE_SHARE = 0.1   # more answers in other languages than this: a multilingual set, not a slip
@@ -50,7 +50,7 @@ for _language, _words in COMMON_WORDS.items():
 def language_of(text: str, sample_chars: int = SAMPLE_CHARS) -> str | None:
     """The text's language or script, or None when it has too few words to tell (code, numbers, labels)."""
     sample = text[:sample_chars]
-    foreign = len(NON_LATIN.findall(sample))
+    foreign = 0 if sample.isascii() else len(NON_LATIN.findall(sample))
     if foreign >= 5:
         counts = {name: len(p.findall(sample)) for name, p in SCRIPTS.items()}
         return max(counts, key=counts.get)

@@ -109,7 +109,7 @@ def _repeat_findings(completions: list[str], requests: Callable[[int], str], *, 
         rows, example, details = summary(other)
         findings.append(Finding(
             "repeated_other", "repeated", WARNING, "repeated completion",
-            f"{_n(len(other), 'completion')} each in {REPEAT_WARN_SHARE:.0%}+ of the rows ({_n(len(rows), 'row')}), "
+            f"{_n(len(other), 'completion')} each in {repeat_min_rows}+ rows ({_n(len(rows), 'row')}), "
             f"e.g. {example}; as long as typical answers or rare, so kept. Check they are real answers.",
             rows, len(rows), details))
     return findings

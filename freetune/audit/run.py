@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import copy
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from freetune.audit.findings import BLOCKING, Check, Finding, _nearest_rank
 from freetune.audit.report import AuditReport
 from freetune.audit.rows import _prompt_key, _request, _safe_completion, _safe_prompt, _shape
-from freetune.audit.junk import cut_off_finding, echo_finding, error_finding, refusal_finding
+from freetune.audit.junk import cut_off_finding, echo_finding, endings, error_finding, error_kinds, refusal_finding
 from freetune.audit.labels import balance_findings, balance_line, label_classes
 from freetune.audit.language import language_finding
 from freetune.audit.rules import (_answer_groups, _check_findings, _duplicate_findings, _empty_finding,
@@ -42,33 +43,37 @@ def audit(dataset, *, tokenizer=None, max_length: int | None = None, checks: dic
     rows = dataset.to_list()
     completions = [_safe_completion(r) for r in rows]
     prompts = [_safe_prompt(r) for r in rows]
-    lap("read rows")
-
     asked = [_request(r) for r in rows]
     malformed = malformed_finding(rows, shape, source)
+    if malformed is not None:  # the checks and the tokenizer read a stand-in; the malformed finding names the row
+        unreadable = set(malformed.rows)
+        rows = [stand_in(r, shape) if i in unreadable else r for i, r in enumerate(rows)]
     lap("read rows")
+
+    with ThreadPoolExecutor(1) as pool:
+        # Tokenising is most of the work and tiktoken and the Rust tokenizer release the GIL: it runs beside the
+        # text rules and the recipe's checks (pure Python) instead of after them. "tokens" is the wait that is left.
+        tokens = None
+        if tokenizer is not None:
+            tokenizer = _load_tokenizer(tokenizer)
+            tokens = pool.submit(_token_findings, tokenizer, rows, shape, max_length, assistant_only)
+        findings, labels = _text_findings(completions, asked, _Turns(rows, completions, asked),
+                                          min_completion_chars=min_completion_chars,
+                                          repeat_min_rows=repeat_min_rows, repeat_share_block=repeat_share_block)
+        findings += [malformed] if malformed is not None else []
+        lap("text checks")
+
+        findings += _check_findings(rows, dict(checks or {}))
+        lap("recipe checks")
+
+        token_stats, engine = None, None
+        if tokens is not None:
+            token_findings, token_stats, engine = tokens.result()
+            findings += token_findings
+        lap("tokens")
 
     def requests(i: int) -> str:
         return asked[i]
-
-    findings, labels = _text_findings(completions, asked, _Turns(rows, completions, asked),
-                                      min_completion_chars=min_completion_chars,
-                                      repeat_min_rows=repeat_min_rows, repeat_share_block=repeat_share_block)
-    if malformed is not None:
-        findings.append(malformed)
-        unreadable = set(malformed.rows)
-        rows = [stand_in(r, shape) if i in unreadable else r for i, r in enumerate(rows)]
-    lap("text checks")
-
-    findings += _check_findings(rows, dict(checks or {}))
-    lap("recipe checks")
-
-    token_stats, engine = None, None
-    if tokenizer is not None:
-        tokenizer = _load_tokenizer(tokenizer)
-        token_findings, token_stats, engine = _token_findings(tokenizer, rows, shape, max_length, assistant_only)
-        findings += token_findings
-    lap("tokens")
 
     invalid = {i for f in findings if f.severity == BLOCKING for i in f.rows}
     findings += _duplicate_findings(prompts, completions, invalid, requests)
@@ -89,7 +94,8 @@ def audit(dataset, *, tokenizer=None, max_length: int | None = None, checks: dic
         "tokenizer": _tokenizer_settings(tokenizer),
     }
     measured = {"malformed": True, "refusal": True, "error_string": True, "cut_off": True, "echo": True,
-                "language": True, "empty": True, "repeated": True, "repeated_other": True, "short": True, "duplicate": True,
+                "language": True, "empty": True, "repeated": True, "repeated_other": True, "short": True,
+                "duplicate": True,
                 "conflict": True, "overlap": eval_dataset is not None,
                 "no_trainable_tokens": tokenizer is not None, "eos_not_in_labels": tokenizer is not None,
                 "truncated": tokenizer is not None and max_length is not None,
@@ -150,10 +156,13 @@ def _content_findings(turns: "_Turns", stub_rows: set[int], found: dict) -> list
     stub_turns = {t for t, row in enumerate(turns.rows) if row in stub_rows}
     if not found:
         found |= {"refusal": refusal_finding(turns.texts), "echo": echo_finding(turns.texts, turns.requests),
-                  "language": language_finding(turns.texts, turns.requests)[0]}
-    content = [found["refusal"], error_finding(turns.texts, stub_turns), found["echo"], found["language"]]
+                  "language": language_finding(turns.texts, turns.requests)[0], "errors": error_kinds(turns.texts),
+                  "endings": endings(turns.texts)}
+    content = [found["refusal"], error_finding(turns.texts, found["errors"], stub_turns), found["echo"],
+               found["language"]]
     explained = stub_turns | {t for f in content if f is not None for t in f.rows}
-    return [turns.on_rows(copy.copy(f)) for f in (*content, cut_off_finding(turns.texts, explained)) if f is not None]
+    cut_off = cut_off_finding(turns.texts, found["endings"], explained)
+    return [turns.on_rows(copy.copy(f)) for f in (*content, cut_off) if f is not None]
 
 
 class _Turns:
