@@ -5,9 +5,16 @@ valid response from model."; an adapter trained on it answered that string to ev
 for that and for the other defects that cost a training run:
 
   blocking (the recipe stops until they are cleaned or knowingly accepted)
+    malformed             rows the trainer cannot read: content that is a number or null, no assistant turn, a
+                          role such as "bot" (the message names the file, row and field)
     empty                 empty or whitespace-only completions
     repeated              a short completion repeated verbatim across >= `repeat_share_block` of the rows (or,
-                          among fewer than 5 distinct answers, one answer given to half the rows or more)
+                          among fewer than 5 distinct answers that are no label set, one answer given to half the
+                          rows or more)
+    refusal               refusals and AI boilerplate distilled from a chat model     } a warning instead when
+    error_string          API/pipeline error strings and placeholders (null, N/A)      } they cover over 10% of
+    cut_off               answers stopped mid-sentence or with brackets/tags open       } the rows: then they are
+    echo                  the prompt copied back as the answer                          } likely the data's purpose
     check:<name>          rows failing a recipe's validity check (SVG parses, the action is valid JSON, ...)
     no_trainable_tokens   rows whose completion is entirely cut off by `max_length` (TRL drops them silently)
     duplicate             exact copies of an earlier row
@@ -15,7 +22,10 @@ for that and for the other defects that cost a training run:
     overlap               training rows whose prompt is also in the evaluation set
   warning (shown, never dropped by default)
     repeated_other        answers repeated by many rows that look legitimate (as long as typical answers, or rare)
-    short                 completions under `min_completion_chars` that are not part of a blocking repeat
+    short                 completions under `min_completion_chars` where most answers are longer
+    language              answers in another language than the rest and than their own prompt
+    rare_class, dominant_class, off_label
+                          a label set's class under 3%, one over 90%, a few answers outside the classes
     truncated             rows longer than `max_length` (the end of their answer and its EOS are cut)
     eos_not_in_labels     the stop token is not among the tokens trained on: the model may never learn to stop
     pad_is_eos            the pad token is the EOS token: collators that mask pad ids also mask EOS
@@ -23,6 +33,9 @@ for that and for the other defects that cost a training run:
 Exact duplicates are blocking although one copy is harmless: dropping the later copies loses no information,
 each copy doubles that row's weight, and when the data is later split into train and eval, copies land on both
 sides and inflate the eval score. Cleaning them costs nothing, so the default is to clean.
+
+Label sets (sentiment, yes/no, topics, ratings, repeated tool calls) are not junk: when answers repeated by 3+ rows
+each cover 80% of the rows they are classes, and the report prints the class balance (see labels.py).
 
 Duplicates and conflicts are looked for among rows that pass the row checks (not empty, not junk, not failing
 a check), so the first *valid* answer to a prompt is the one kept.
@@ -35,6 +48,10 @@ The files, one job each:
     findings.py   what a Finding is; the parameter names and figures messages use
     rows.py       reading normalised rows as text
     rules.py      the rules on the rows' text (empty, repeated, short, checks, duplicates, conflicts, overlap)
+    labels.py     label sets: their classes, class balance, answers outside the classes
+    junk.py       refusals, error strings, cut-off answers, echoed prompts
+    language.py   answers in another language
+    structure.py  rows the trainer cannot read
     tokens.py     the rows as TRL tokenises them, and the token findings (truncated, no answer, EOS, pad)
     twin.py       tokenising fast: the tiktoken twin of the tokenizer, used once it matched it
     run.py        audit(): every rule, in order, into one report

@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
             eval_dataset = (normalize(load_rows(args.eval_dataset, split=args.eval_split), columns=columns)
                             if args.eval_dataset else None)
             report = audit(dataset, tokenizer=args.model, max_length=args.max_length,
-                           checks=resolve_checks(args.checks) if args.checks else None, eval_dataset=eval_dataset)
+                           checks=resolve_checks(args.checks) if args.checks else None, eval_dataset=eval_dataset,
+                           source=args.dataset)
     except json.JSONDecodeError as exc:
         print(f"error: --columns is not valid JSON ({exc}).", file=sys.stderr)
         return 1
