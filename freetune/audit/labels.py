@@ -32,8 +32,9 @@ def balance_line(classes: dict[str, list[int]], answered: int) -> str:
     shown = [f"{_cut(text, 30)!r} {100 * len(rows) / answered:.0f}% ({len(rows):,})"
              for text, rows in list(classes.items())[:SHOWN_CLASSES]]
     more = len(classes) - SHOWN_CLASSES
-    return (f"Label set: {len(classes)} classes cover {100 * sum(map(len, classes.values())) / answered:.0f}% of the "
-            f"answers, kept as classes (not junk repeats): " + ", ".join(shown) + (f", {more} more" if more > 0 else ""))
+    covered = 100 * sum(map(len, classes.values())) / answered
+    return (f"Label set: {len(classes)} classes cover {covered:.0f}% of the answers, kept as classes (not junk "
+            f"repeats): " + ", ".join(shown) + (f", {more} more" if more > 0 else ""))
 
 
 def balance_findings(classes: dict[str, list[int]], groups: dict[str, list[int]], answered: int,
@@ -48,8 +49,8 @@ def balance_findings(classes: dict[str, list[int]], groups: dict[str, list[int]]
         names = ", ".join(f"{_cut(t, 30)!r} {100 * len(r) / answered:.1f}%" for t, r in list(rare.items())[:5])
         findings.append(Finding(
             "rare_class", "class_balance", WARNING, "rare class",
-            f"{len(rare)} {'class' if len(rare) == 1 else 'classes'} with few rows ({names}): too few to learn, or junk that repeats. Check "
-            f"them; add rows of that class, or drop them.", rows, len(rows),
+            f"{len(rare)} {'class' if len(rare) == 1 else 'classes'} with few rows ({names}): too few to learn, or "
+            f"junk that repeats. Check them; add rows of that class, or drop them.", rows, len(rows),
             {"classes": {t: len(r) for t, r in rare.items()}}))
     if len(top_rows) > DOMINANT_CLASS * answered:
         findings.append(Finding(

@@ -9,8 +9,7 @@ import statistics
 from collections import Counter, defaultdict
 from typing import Callable
 
-from freetune.audit.findings import (ACCEPT_PARAMETER, BLOCKING, CLEAN_PARAMETER, TOP_EXAMPLES, WARNING, Check, Finding,
-                                     _cut, _n, _share)
+from freetune.audit.findings import BLOCKING, TOP_EXAMPLES, WARNING, Check, Finding, _cut, _n, _share
 from freetune.audit.rows import _prompt_key
 
 
