@@ -263,8 +263,9 @@ def nonfinite_advice(problem: str, config, checkpoints_dir: str) -> str:
     fp16 = (" This run computes in fp16, whose largest number is 65,504: on a GPU with bf16 (Ampere or newer: A100, "
             "L4, A10, RTX 30xx/40xx; a T4 has none) set precision='bf16'." if config.fp16 else "")
     return (f"Training stopped: {problem} (the numbers overflowed). {kept_text}; nothing after it was saved, and no "
-            f"adapter was written. Lower learning_rate (now {lr:g}; try {lr / 4:g}).{fp16} Then run again with a new "
-            f"run_name (a resume goes on with the learning rate its checkpoint was saved with).")
+            f"adapter was written. Lower learning_rate (now {lr:g}; try {lr / 4:g}).{fp16} Then run again: "
+            + (f"it resumes from {kept.name} at the new learning rate (a changed precision is another run: give it a "
+               f"new run_name)." if kept else "it starts at step 0."))
 
 
 def train(model, tokenizer, train_dataset, config, *, plan: Plan, paths: Paths, eval_dataset=None, resume: bool = True,

@@ -35,6 +35,7 @@ from trl import SFTTrainer
 from freetune import overrides
 from freetune.batching import PAD_KEY
 from freetune.checkpoint import identity, marker
+from freetune.checkpoint.hub import TOKENIZER_DIR  # beside the checkpoint-N folders: the run's tokenizer, once
 from freetune.distributed import barrier
 from freetune.overrides import written_against
 from freetune.sampler import rank_balanced_sampler
@@ -320,8 +321,6 @@ class GarbageFrozenAfterWarmup(TrainerCallback):
             gc.unfreeze()
             self.frozen = False
 
-
-TOKENIZER_DIR = "tokenizer"  # beside the checkpoint-N folders: the run's tokenizer, written once
 
 
 def save_tokenizer_once(tokenizer, checkpoints_dir: Path) -> Path | None:

@@ -277,3 +277,31 @@ def test_hub_repos_offline_or_unreachable_stop_before_anything_loads(monkeypatch
     with pytest.raises(FreetuneError, match="Cannot reach the Hugging Face Hub .*set `hub_checkpoint_repo` to ''"):
         require_hub_write("me/ckpts", "hub_checkpoint_repo")
     platform._hub_problem.cache_clear()
+
+
+# ---- through the notebook (the issue's repro) -------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_a_notebook_rerun_with_another_lora_shape_stops_before_the_model_loads(executed_notebook, tmp_path):
+    """Cost: one notebook run that stops at the data audit (~30-60 s on 2 cores); the trained run is the shared
+    fixture's. Issue 46's repro: a rerun with lora_rank 16 (8 before) loaded the model, then failed with a
+    state_dict size mismatch."""
+    import shutil
+
+    from conftest import run_recipe
+
+    _, _, _, first = executed_notebook("svg_coder", "colab")
+    shutil.copytree(first / "runs", tmp_path / "runs")  # the finished run's folder, its checkpoints included
+    checkpoints = next((tmp_path / "runs").rglob("checkpoints"))
+    # The tokenizer is saved once beside the checkpoints, not in each; each checkpoint records the run's identity.
+    assert (checkpoints / "tokenizer" / "tokenizer.json").is_file()
+    for folder in checkpoints.glob("checkpoint-*"):
+        assert not (folder / "tokenizer.json").exists() and (folder / identity.IDENTITY).is_file()
+    rank = identity.read_identity(checkpoints)["lora_rank"]
+    result, record, _ = run_recipe("svg_coder", "colab", tmp_path, ("lora_rank", str(rank * 2)),
+                                   ("max_steps", "10"))
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert f"lora_rank: {rank} in checkpoint-8, {rank * 2} now" in output, output[-3000:]
+    assert f"set them back (lora_rank = {rank})" in output and "run_name to a new name" in output
+    assert "size mismatch" not in output and "trainable parameters" not in output  # the model never loaded
