@@ -167,11 +167,12 @@ def complete_checkpoints(checkpoints: Path) -> dict[str, str]:
 
 
 def leftovers(checkpoints: Path) -> set[str]:
-    """Folders that are not complete checkpoints: interrupted saves, rotation or download scratch."""
+    """Folders that are not complete checkpoints: interrupted saves, rotation or download scratch (the run's
+    tokenizer, saved once beside the checkpoints, is none of them)."""
     if not checkpoints.is_dir():
         return set()
     complete = complete_checkpoints(checkpoints)
-    return {p.name for p in checkpoints.iterdir() if p.is_dir() and p.name not in complete}
+    return {p.name for p in checkpoints.iterdir() if p.is_dir() and p.name not in complete and p.name != "tokenizer"}
 
 
 def newest(checkpoints: dict[str, str]) -> str | None:

@@ -148,9 +148,9 @@ def refusal(run_dir: Path, record: dict | None) -> str:
     else:
         who = "another process on this machine"
     return (f"Another run is using the run folder {run_dir} ({who}): two runs in one folder overwrite each other's "
-            f"data, checkpoints and adapter. Wait for it to finish or stop it (another notebook: Runtime -> "
-            f"Interrupt / Restart, or shut its kernel down), or set run_name to another name for this run. A run "
-            f"that was killed does not keep the folder: its lock is recognised as stale.")
+            f"data, checkpoints and adapter. Either wait for it to end, or stop it (a notebook holds its run folder "
+            f"until its kernel stops: restart or shut down that notebook's kernel), or set run_name to another name "
+            f"for this run. A run that was killed does not keep the folder: its lock is recognised as stale.")
 
 
 def acquire(run_dir: str | Path) -> RunLock | None:
@@ -159,6 +159,7 @@ def acquire(run_dir: str | Path) -> RunLock | None:
     run_dir = Path(run_dir).resolve()
     if str(run_dir) in _held:
         return _held[str(run_dir)]
+    run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / LOCK_FILE
     record = _read(path)
     if record and _token(record) in os.environ.get(HOLDERS_ENV, "").split():
