@@ -77,7 +77,7 @@ def check_disk(paths, params: dict, plan) -> None:
     if parts.get("export"):
         fixes.append("set export_gguf to False (the merged model and its GGUF files need "
                      f"{size_text(parts['export'])})")
-    if params.get("save_total_limit", 3) > 2:
+    if params.get("save_total_limit", 2) > 2:  # only where the parameters cell has it
         fixes.append("keep fewer checkpoints (save_total_limit 2)")
     raise FreetuneError(f"Not enough disk for this run in {paths.run_dir}: it needs about {size_text(needed)} "
                         f"({shown}), {size_text(free)} is free. Either " + ", or ".join(fixes) + ".")
