@@ -325,9 +325,14 @@ def split_eval(dataset, eval_rows: int, seed: int = 0):
     """Hold out `eval_rows` rows (seeded) for evaluation; returns (train, eval or None)."""
     if eval_rows <= 0:
         return dataset, None
+    if len(dataset) < 2:  # eval_rows is at least 1: lowering it cannot help
+        raise FreetuneError(f"The data set has {len(dataset)} row(s): training needs at least 2 (one is held out for "
+                            f"the evaluation at the end). Add rows to the data set (a few hundred is a useful start), "
+                            f"or check `dataset` and `dataset_split` point at the data you meant.")
     if eval_rows >= len(dataset):
         raise FreetuneError(f"eval_rows={eval_rows} leaves no training rows (the data set has {len(dataset)}). "
-                            f"Lower `eval_rows`.")
+                            f"Set `eval_rows` to at most {len(dataset) - 1} (a tenth of the rows, "
+                            f"{max(1, len(dataset) // 10)}, keeps most for training).")
     parts = dataset.train_test_split(test_size=eval_rows, seed=seed, shuffle=True)
     return parts["train"], parts["test"]
 

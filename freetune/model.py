@@ -184,10 +184,22 @@ def attach_lora(model, *, rank: int, alpha: int, dropout: float, target_modules:
     try:
         peft_model = get_peft_model(model, config, autocast_adapter_dtype=True)
     except ValueError as exc:
-        raise FreetuneError(f"LoRA could not attach to {target_modules!r}: {exc}. Set `lora_targets` to "
-                            f"'all-linear' or to module names this model has (e.g. ['q_proj', 'v_proj']).") from exc
+        raise FreetuneError(f"LoRA could not attach to {target_modules!r}: {exc}. {targets_advice(model)}") from exc
     trainable, total = peft_model.get_nb_trainable_parameters()
     return peft_model, trainable, total
+
+
+def targets_advice(model) -> str:
+    """What to set lora_targets to: values the parameters cell accepts (a string: 'all-linear' or a regular
+    expression peft matches against the full module names), built from this model's own linear layers."""
+    import torch
+
+    names = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                    if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] != "lm_head"})
+    example = f"'.*({'|'.join(names[:2])})'" if names else "'.*(q_proj|v_proj)'"
+    shown = f" Its linear layers: {', '.join(names)}." if names else ""
+    return (f"Set `lora_targets` to 'all-linear' (every linear layer), or to a regular expression of module names, "
+            f"e.g. {example}.{shown}")
 
 
 def adapter_dtype_guard(dtype: str = "float32"):

@@ -109,7 +109,18 @@ def resolve_paths(target: str | None, output_dir: str, run_name: str, use_drive:
         root = platform.persistent_root
     else:
         root = platform.work_root
-    return Paths.under(Path(root).expanduser() / run_name, platform=actual).make()
+    paths = Paths.under(Path(root).expanduser() / run_name, platform=actual)
+    try:
+        paths.make()
+        from freetune.checkpoint import lock
+
+        lock.acquire(paths.run_dir)  # one run per folder: a second run or notebook is refused here
+    except OSError as exc:  # read-only, a file where a folder must be, no permission: before anything is loaded
+        raise FreetuneError(f"Cannot write the run folder {paths.run_dir} ({type(exc).__name__}: "
+                            f"{exc.strerror or exc}{': ' + exc.filename if exc.filename else ''}). Set output_dir "
+                            f"to a folder you can write to{' (now ' + repr(output_dir) + ')' if output_dir else ''}, "
+                            f"or leave it empty for the platform's default.") from None
+    return paths
 
 
 def _mount_drive() -> None:
@@ -119,7 +130,7 @@ def _mount_drive() -> None:
         drive.mount("/content/drive")
 
 
-def require_hub(what: str, parameter: str) -> None:
+def require_hub(what: str, parameter: str, advice: str = "") -> None:
     """Stop at once, saying what to change, when `what` must come from the Hugging Face Hub and the Hub cannot be
     reached. Without this, each library retries each file about five times over half a minute and the error that
     finally comes is a chain of five exceptions. Nothing is checked in offline mode (HF_HUB_OFFLINE=1): the
@@ -131,9 +142,10 @@ def require_hub(what: str, parameter: str) -> None:
     problem = _hub_problem(constants.ENDPOINT)
     if problem:
         raise FreetuneError(
-            f"Cannot reach the Hugging Face Hub ({constants.ENDPOINT}: {problem}), so {what} cannot be downloaded. "
-            f"Turn the internet on (Kaggle: Settings -> Internet on, then rerun; Colab: reconnect the runtime), "
-            f"or set `{parameter}` to a local folder or file. Files downloaded before load with HF_HUB_OFFLINE=1.")
+            f"Cannot reach the Hugging Face Hub ({constants.ENDPOINT}: {problem}), so {what} cannot "
+            f"{'be reached' if advice else 'be downloaded'}. Turn the internet on (Kaggle: Settings -> Internet on, "
+            f"then rerun; Colab: reconnect the runtime), " + (advice + "." if advice else
+            f"or set `{parameter}` to a local folder or file. Files downloaded before load with HF_HUB_OFFLINE=1."))
 
 
 @functools.cache

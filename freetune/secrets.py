@@ -92,3 +92,32 @@ def redact(text: str, secrets: Iterable[str] = ()) -> str:
         if secret:
             text = text.replace(secret, REDACTED)
     return _TOKEN_PATTERN.sub(REDACTED, text)
+
+
+def require_hub_write(repo: str, parameter: str, api=None) -> None:
+    """Before anything is loaded: the token is there, the Hub answers, and the token may write (`parameter` names the
+    setting that asked for it). Without this, `hub_repo` failed after the whole run and `hub_checkpoint_repo`
+    after the model had loaded. A fine-grained token's per-repo rights are not read here: its first upload says."""
+    from freetune.platform import require_hub
+
+    from huggingface_hub import constants
+
+    token = hf_token(required=True, purpose=f"push to {repo} ({parameter})")
+    if constants.is_offline_mode():
+        raise FreetuneError(f"HF_HUB_OFFLINE is set, so {parameter} = {repo!r} cannot be pushed to: unset HF_HUB_OFFLINE "
+                            f"(with the internet on), or set `{parameter}` to ''.")
+    require_hub(f"{parameter} {repo!r}", parameter, advice=f"or set `{parameter}` to '' to keep it local")
+    if api is None:
+        from huggingface_hub import HfApi
+
+        api = HfApi(token=token)
+    try:
+        role = api.whoami(token=token).get("auth", {}).get("accessToken", {}).get("role")
+    except Exception as exc:
+        raise FreetuneError(f"The Hub refused the HF_TOKEN found for {parameter} ({redact(str(exc), [token])[:200]}): "
+                            f"replace it with a valid token that has write access (huggingface.co/settings/tokens), "
+                            f"or set `{parameter}` to ''.") from None
+    if role == "read":
+        raise FreetuneError(f"The HF_TOKEN found is a read-only token, and {parameter} = {repo!r} needs to write: make a "
+                            f"token with write access (huggingface.co/settings/tokens) and store it as HF_TOKEN, or set "
+                            f"`{parameter}` to ''.")

@@ -18,6 +18,7 @@ import math
 import os
 import time
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 from freetune import checkpoint, fast, fused_mlp, graphed_layers, host_embeddings, kernels, overrides, tracking
@@ -32,6 +33,7 @@ from freetune.model import adapter_dtype_guard
 from freetune.overrides import NonFiniteGuard
 from freetune.platform import Paths
 from freetune.preflight import Plan
+from freetune.resources import folder_bytes
 
 SUMMARY_FILE = "run_summary.json"
 HISTORY_FILE = "log_history.json"
@@ -261,8 +263,9 @@ def nonfinite_advice(problem: str, config, checkpoints_dir: str) -> str:
     fp16 = (" This run computes in fp16, whose largest number is 65,504: on a GPU with bf16 (Ampere or newer: A100, "
             "L4, A10, RTX 30xx/40xx; a T4 has none) set precision='bf16'." if config.fp16 else "")
     return (f"Training stopped: {problem} (the numbers overflowed). {kept_text}; nothing after it was saved, and no "
-            f"adapter was written. Lower learning_rate (now {lr:g}; try {lr / 4:g}).{fp16} Then run again with a new "
-            f"run_name (a resume goes on with the learning rate its checkpoint was saved with).")
+            f"adapter was written. Lower learning_rate (now {lr:g}; try {lr / 4:g}).{fp16} Then run again: "
+            + (f"it resumes from {kept.name} at the new learning rate (a changed precision is another run: give it a "
+               f"new run_name)." if kept else "it starts at step 0."))
 
 
 def train(model, tokenizer, train_dataset, config, *, plan: Plan, paths: Paths, eval_dataset=None, resume: bool = True,
@@ -281,6 +284,8 @@ def train(model, tokenizer, train_dataset, config, *, plan: Plan, paths: Paths, 
     import torch
 
     eval_dataset = _rows_to_train(train_dataset, eval_dataset, config)
+    if context().is_main:  # a no-op where the notebook's paths cell (or a process above this one) holds it
+        checkpoint.lock.acquire(paths.run_dir)
     budget_s, budget_text = checkpoint.time_budget(time_budget_min, paths.platform)
     hub = None
     if hub_checkpoint_repo and context().is_main:  # only the main process talks to the Hub
@@ -307,6 +312,8 @@ def train(model, tokenizer, train_dataset, config, *, plan: Plan, paths: Paths, 
     print0(f"Checkpoints: every {config.save_steps} steps, the last {config.save_total_limit} kept, in "
            f"{paths.checkpoints}. Time budget: {budget_text}.")
     resume_from = checkpoint.agree_on_resume(paths.checkpoints, config.max_steps, hub) if resume else None
+    if resume_from:  # the one picked may have come from the Hub: the same run's, or refused before it loads
+        checkpoint.check_resumed(paths.checkpoints, resume_from)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     # make_config's ddp_broadcast_buffers=False is meant: torch 2.13 deprecates the name for forward_sync_buffers,
@@ -314,7 +321,7 @@ def train(model, tokenizer, train_dataset, config, *, plan: Plan, paths: Paths, 
     warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
     start = time.time()
     try:
-        with checkpoint.sigterm_stops(stopper):
+        with checkpoint.sigterm_stops(stopper), _disk_full_explained(paths):
             result = trainer.train(resume_from_checkpoint=resume_from)
     finally:
         if hub is not None:
@@ -326,11 +333,26 @@ def train(model, tokenizer, train_dataset, config, *, plan: Plan, paths: Paths, 
     wall = time.time() - start
     _check_trained(trainer, guard, config, paths)
     summary = _summary(trainer, result, wall, stopper.reason, resume_from, paths)
-    _save(trainer, tokenizer, summary, paths, sharded=bool(getattr(config, "fsdp", None)))
+    with _disk_full_explained(paths):
+        _save(trainer, tokenizer, summary, paths, sharded=bool(getattr(config, "fsdp", None)))
     if stopper.reason:
         print0(f"Stopped early at step {summary['steps']} of {summary['max_steps']} ({stopper.reason}). The adapter so "
                f"far is in {paths.adapter}; run this again with the same run_name to continue from the checkpoint.")
     return summary
+
+
+@contextmanager
+def _disk_full_explained(paths: Paths):
+    """A full disk (errno 28, in whichever library's words) becomes a FreetuneError: the folder, the size of a
+    checkpoint, and that the last complete checkpoint is intact."""
+    try:
+        yield
+    except Exception as exc:
+        if not checkpoint.space.is_disk_full(exc):
+            raise
+        kept = checkpoint.latest_complete(paths.checkpoints)
+        size = folder_bytes(kept) if kept else None
+        raise FreetuneError(checkpoint.space.disk_full_message(paths.checkpoints, size)) from exc
 
 
 def _rows_to_train(train_dataset, eval_dataset, config):

@@ -34,7 +34,8 @@ from trl import SFTTrainer
 
 from freetune import overrides
 from freetune.batching import PAD_KEY
-from freetune.checkpoint import marker
+from freetune.checkpoint import identity, marker
+from freetune.checkpoint.hub import TOKENIZER_DIR  # beside the checkpoint-N folders: the run's tokenizer, once
 from freetune.distributed import barrier
 from freetune.overrides import written_against
 from freetune.sampler import rank_balanced_sampler
@@ -208,8 +209,29 @@ class FreetuneTrainer(SFTTrainer):
             self.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", map_location="cpu",
                                                       weights_only=True))
             self.lr_scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
+        else:
+            super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint:
+            self._schedule_from_here()
+
+    def _schedule_from_here(self) -> None:
+        # The loaded scheduler state holds the learning rate its last step computed with the checkpoint's settings,
+        # and the optimizer's param groups that rate: the first resumed step trained (and logged) at it. With a
+        # raised max_steps that was the old schedule's end, 0.0, where an uninterrupted run had 1.22e-02. The rate
+        # of this step is computed again from this run's schedule (max_steps, warmup) and learning_rate (a changed
+        # one is applied, freetune.checkpoint.identity says why); unchanged settings give the same float as before.
+        scheduler = getattr(self.lr_scheduler, "scheduler", self.lr_scheduler)  # accelerate's wrapper, if any
+        if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
             return
-        super()._load_optimizer_and_scheduler(checkpoint)
+        scheduler.base_lrs = [self.args.learning_rate for _ in scheduler.base_lrs]
+        rates = [base * rate(scheduler.last_epoch) for base, rate in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+        for group, lr in zip(scheduler.optimizer.param_groups, rates):
+            group["initial_lr"] = self.args.learning_rate
+            if torch.is_tensor(group["lr"]):
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr
+        scheduler._last_lr = list(rates)  # torch 2.13's LRScheduler keeps what get_last_lr() returns here
 
     # ---- checkpoints: rank 0 writes everything, and marks each one complete ---------------------------------------
 
@@ -226,11 +248,17 @@ class FreetuneTrainer(SFTTrainer):
             (folder / marker.MARKER).unlink(missing_ok=True)  # a folder being (re)written is never complete
         # The Trainer's own rotation runs before anything could mark the new checkpoint complete, counts
         # interrupted saves and sorts by mtime; it is switched off here and `rotate` runs after the marker.
+        # The tokenizer is the same at every step: it is saved once per run (save_tokenizer_once), not copied into
+        # every checkpoint (7-19 MB each, three kept, on Colab's, Kaggle's and Drive's small disks).
         keep, self.args.save_total_limit = self.args.save_total_limit, None
+        tokenizer, self.processing_class = self.processing_class, None
         try:
             super()._save_checkpoint(model, trial)
         finally:
-            self.args.save_total_limit = keep
+            self.args.save_total_limit, self.processing_class = keep, tokenizer
+        if self.args.should_save:
+            identity.copy_into(folder)
+            save_tokenizer_once(tokenizer, folder.parent)
         barrier()  # every rank has written its share (and sent its RNG state) before the marker says so
         if self.args.should_save:
             marker.write_marker(folder, self.state.global_step, self.args.world_size)
@@ -293,3 +321,18 @@ class GarbageFrozenAfterWarmup(TrainerCallback):
             gc.unfreeze()
             self.frozen = False
 
+
+
+def save_tokenizer_once(tokenizer, checkpoints_dir: Path) -> Path | None:
+    """The run's tokenizer in <checkpoints>/tokenizer/, written at the first save (scratch folder, then a rename:
+    a kill mid-write leaves no half tokenizer under that name)."""
+    target = Path(checkpoints_dir) / TOKENIZER_DIR
+    if tokenizer is None or target.is_dir():
+        return None
+    scratch = target.with_name(".writing-" + TOKENIZER_DIR)
+    import shutil
+
+    shutil.rmtree(scratch, ignore_errors=True)
+    tokenizer.save_pretrained(str(scratch))
+    os.replace(scratch, target)
+    return target

@@ -109,9 +109,10 @@ plan = freetune.preflight.make_plan(
     compile=torch_compile, lora_dropout=lora_dropout,
 )
 freetune.tracking.check_options(report_to=report_to, eval_steps=eval_steps, eval_rows=eval_rows)
-for repo in (hub_repo, hub_checkpoint_repo):  # a missing token must stop us now, not after hours of training
+# a missing token, no internet or a read-only token must stop us now, not after hours of training
+for parameter, repo in (("hub_repo", hub_repo), ("hub_checkpoint_repo", hub_checkpoint_repo)):
     if repo:
-        freetune.secrets.hf_token(required=True, purpose=f"push to {repo}")
+        freetune.secrets.require_hub_write(repo, parameter)
 plan
 
 # %% tags=["paths"]
@@ -138,6 +139,8 @@ rows, audit_report, cleaning = freetune.audit.audit_and_clean(
 train_rows, held_out = freetune.data.split_eval(rows, eval_rows, seed=seed)
 plan = freetune.preflight.replan(plan, longest_row=audit_report.longest_row)  # sized for these rows
 print(f"Plan for these rows: {plan.one_line()}")
+# before the model loads: a resume is of the same run (same settings, model and rows), and the disk has room
+freetune.checkpoint.check_run(paths, params, plan, train_rows)
 freetune.data.save_prepared(paths.data, train_rows, held_out)
 
 # %% [markdown]

@@ -167,11 +167,12 @@ def complete_checkpoints(checkpoints: Path) -> dict[str, str]:
 
 
 def leftovers(checkpoints: Path) -> set[str]:
-    """Folders that are not complete checkpoints: interrupted saves, rotation or download scratch."""
+    """Folders that are not complete checkpoints: interrupted saves, rotation or download scratch (the run's
+    tokenizer, saved once beside the checkpoints, is none of them)."""
     if not checkpoints.is_dir():
         return set()
     complete = complete_checkpoints(checkpoints)
-    return {p.name for p in checkpoints.iterdir() if p.is_dir() and p.name not in complete}
+    return {p.name for p in checkpoints.iterdir() if p.is_dir() and p.name not in complete and p.name != "tokenizer"}
 
 
 def newest(checkpoints: dict[str, str]) -> str | None:
@@ -438,8 +439,11 @@ def test_hub_sync_uploads_complete_checkpoints_and_a_new_session_resumes_from_th
     assert "retrying in 0.1 s" in first_output and "hf_***" in first_output  # the first upload failed, scrubbed
 
     calls = [json.loads(line) for line in (hub / "calls.jsonl").read_text().splitlines()]
-    uploads = [c for c in calls if c["method"] == "upload_folder"]
+    uploads = [c for c in calls if c["method"] == "upload_folder" and "/checkpoint-" in c["path_in_repo"]]
     assert uploads and all(c["complete"] for c in uploads) and {c["rank"] for c in calls} == {"0"}
+    # The tokenizer is not in the checkpoints: it goes up once, beside them.
+    assert [c["path_in_repo"] for c in calls if c["method"] == "upload_folder" and "/checkpoint-" not in
+            c["path_in_repo"]] == ["run/tokenizer"]
     repo = hub / "repos" / "tester" / "ckpts" / "run"
     on_hub = complete_checkpoints(repo)
     assert newest(on_hub) == f"checkpoint-{stop}" and len(on_hub) <= KEEP

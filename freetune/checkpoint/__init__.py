@@ -19,15 +19,28 @@ The files, one job each (this package re-exports their names):
     marker.py   the completion marker, rotation, and the resume that finds the newest complete checkpoint
     stop.py     stopping early: the time budget and SIGTERM, the ranks agreeing on the step
     hub.py      the optional Hub sync of each complete checkpoint, and its download on resume
+    identity.py what a run's checkpoints were trained with, compared before a resume loads the model
+    lock.py     one run per run folder: a second run or notebook is refused, a killed one's lock is stale
+    space.py    free disk for checkpoints, adapter and export, checked before training; a full disk mid-run
 """
 
 # The Trainer's side of a save is freetune.trainer.FreetuneTrainer.
 from freetune.checkpoint.hub import HubSync
+from freetune.checkpoint import lock, space
+from freetune.checkpoint.identity import check_resumed, check_same_run
 from freetune.checkpoint.marker import (MARKER, agree_on_resume, check_complete, checkpoint_step, complete_checkpoints,
                                         find_resume_checkpoint, latest_complete, remove_incomplete, rotate,
                                         weights_finite, write_marker)
 from freetune.checkpoint.stop import BUDGET_MARGIN_MIN, StopAgreement, sigterm_stops, stop_callback, time_budget
 
 __all__ = ["BUDGET_MARGIN_MIN", "MARKER", "HubSync", "StopAgreement", "agree_on_resume", "check_complete",
+           "check_resumed", "check_run", "check_same_run", "lock", "space",
            "checkpoint_step", "complete_checkpoints", "find_resume_checkpoint", "latest_complete", "remove_incomplete",
            "rotate", "sigterm_stops", "stop_callback", "time_budget", "weights_finite", "write_marker"]
+
+
+def check_run(paths, params: dict, plan, train_rows) -> None:
+    """The data audit cell's last check, before the model loads: a resume is of the same run (identity.py), and
+    the disk holds what the run will write (space.py)."""
+    check_same_run(paths, params, train_rows)
+    space.check_disk(paths, params, plan)

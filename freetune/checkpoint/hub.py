@@ -17,6 +17,8 @@ from freetune.checkpoint.marker import MARKER, check_complete, checkpoint_step, 
 from freetune.distributed import print0
 from freetune.errors import FreetuneError
 
+TOKENIZER_DIR = "tokenizer"  # freetune.trainer.save_tokenizer_once writes the run's tokenizer there, once
+
 class HubSync:
     """Upload complete checkpoints to a private Hub repo (main process only, in the background) and fetch the
     newest one back. `api` is a huggingface_hub.HfApi (tests pass a local stand-in with the same methods).
@@ -111,6 +113,21 @@ class HubSync:
 
     # -- background uploads --
 
+    _tokenizer_sent = False
+
+    def _upload_tokenizer_once(self, tokenizer_dir: Path) -> None:
+        """The run's tokenizer (saved once beside the checkpoints, not in each) to <run_name>/tokenizer, once per
+        session: a checkpoint taken from the Hub is usable without the base model's repo."""
+        if self._tokenizer_sent or not tokenizer_dir.is_dir():
+            return
+        try:
+            self.api.upload_folder(repo_id=self.repo_id, folder_path=str(tokenizer_dir), repo_type="model",
+                                   path_in_repo=f"{self.run_name}/{TOKENIZER_DIR}",
+                                   commit_message=f"freetune {self.run_name}/{TOKENIZER_DIR}")
+            self._tokenizer_sent = True
+        except Exception as exc:  # the next checkpoint's upload tries again
+            print(f"Hub sync: the tokenizer's upload failed ({self._clean(exc)}).", flush=True)
+
     def submit(self, folder: str | Path) -> None:
         """Queue a complete checkpoint; a newer one queued before the upload starts replaces it."""
         with self._cond:
@@ -174,6 +191,7 @@ class HubSync:
                 time.sleep(delay)
         self.uploaded.append(folder.name)
         print(f"Hub sync: {folder.name} uploaded to {self.repo_id}/{self._remote(step)}.", flush=True)
+        self._upload_tokenizer_once(folder.parent / TOKENIZER_DIR)
         try:
             for old in self.complete_steps()[:-self.keep] if self.keep > 0 else []:
                 self.api.delete_folder(self._remote(old), self.repo_id, repo_type="model",

@@ -24,8 +24,9 @@ if TYPE_CHECKING:
 
 MARKER = "freetune_complete.json"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
-# Scratch folders: a checkpoint being deleted, or one being downloaded from the Hub. Never loaded, removed on resume.
-_SCRATCH_PREFIXES = (".deleting-", ".download-")
+# Scratch folders: a checkpoint being deleted, one being downloaded from the Hub, the run's tokenizer being written
+# (freetune.trainer.save_tokenizer_once). Never loaded, removed on resume.
+_SCRATCH_PREFIXES = (".deleting-", ".download-", ".writing-")
 
 
 # ---- Completeness -------------------------------------------------------------------------------------------
@@ -133,7 +134,7 @@ def remove_incomplete(checkpoints_dir: str | Path) -> list[str]:
         if not path.is_dir():
             continue
         if path.name.startswith(_SCRATCH_PREFIXES):
-            reason = "a leftover of an interrupted rotation or download"
+            reason = "a leftover of an interrupted rotation, download or tokenizer save"
         elif checkpoint_step(path) is not None:
             complete, reason = check_complete(path)
             if complete:
