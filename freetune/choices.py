@@ -312,6 +312,8 @@ def choose_mlp_kernel(shape, budget_gib: float, max_length: int, common: dict) -
     if common.get("lora_kernel") != "fused":
         return "layers", ("each projection on its own, as peft runs it (the fused MLP is for GPU runs, over "
                           "fused LoRA layers)")
+    if mlp_why_not(shape):
+        return "layers", f"each projection on its own: the fused MLP steps aside, {mlp_why_not(shape)}"
     if not every_layer_checkpointed(common):
         return "layers", "not every layer is checkpointed: there is memory to spare"
     settings = {**common, "mlp_kernel": "traced"}

@@ -145,7 +145,8 @@ class ModelShape:
     @property
     def quantized_params(self) -> int:
         """Weights of the decoder layers' linear layers: what bitsandbytes stores in 4 bits."""
-        return self.layers * sum(a * b for a, b in self.linear_dims().values())
+        return self.layers * sum(a * b for m, (a, b) in self.linear_dims().items()
+                                 if m in ATTENTION_MODULES or not self.experts)  # experts: in expert_params
 
     @property
     def other_params(self) -> int:
@@ -185,7 +186,7 @@ class ModelShape:
     @classmethod
     def from_config(cls, config, name: str | None = None) -> "ModelShape":
         """From a transformers config (or its dict), e.g. AutoConfig.from_pretrained(folder)."""
-        cfg = config if isinstance(config, dict) else config.to_dict()
+        cfg = _normalised(config) if isinstance(config, dict) else config.to_dict()
         cfg = cfg.get("text_config") or cfg  # multimodal configs nest the language model's
         model_type = cfg.get("model_type", "")
         layer_types = tuple(cfg.get("layer_types") or ())
@@ -249,6 +250,18 @@ def shape_of(model_id: str) -> tuple["ModelShape | None", str]:
         return None, why
     return ModelShape.from_config(json.loads(Path(config).read_text()), name=model_id.rsplit("/", 1)[-1]), \
         f"the Hub's config.json of {model_id}"
+
+
+def _normalised(config: dict) -> dict:
+    """A config.json's values as transformers' config class for its model_type fills them in (its defaults, e.g.
+    Gemma-3's tied embeddings, and what it derives, e.g. Gemma-3's layer_types from sliding_window_pattern); as they
+    are where transformers does not know the model_type."""
+    try:
+        from transformers import AutoConfig
+
+        return AutoConfig.for_model(**config).to_dict()
+    except Exception:  # noqa: BLE001 - an architecture this transformers does not know: the file's own values
+        return config
 
 
 def _sliding_window(cfg: dict, layer_types: tuple) -> int | None:
