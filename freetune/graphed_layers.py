@@ -430,8 +430,11 @@ def why_not(model, plan, world_size: int, cast_once: bool) -> str | None:
         architecture = graphs_why_not(ModelShape.from_config(config))
     except (AttributeError, KeyError, TypeError):  # no transformers config with a decoder's shape: nothing to check
         architecture = ""
+    unfused = unfused_trainable(model)
     reasons = [
         (bool(architecture), architecture),
+        (bool(unfused), f"trainable weights outside the fused LoRA layers ({', '.join(unfused[:3])}), which the "
+                        f"graphs would not give gradients to"),
         (plan.device != "cuda", "no GPU"),
         (world_size != 1, "more than one process"),
         (plan.batching != "padding_free", "batches that are not padding-free"),
@@ -442,6 +445,19 @@ def why_not(model, plan, world_size: int, cast_once: bool) -> str | None:
     ]
     found = [text for failed, text in reasons if failed]
     return "; ".join(found) if found else None
+
+
+def unfused_trainable(model) -> list[str]:
+    """Names of the decoder layers' trainable parameters that belong to no fused LoRA layer: the graphs' backward
+    takes the gradients of the layer's input and of its fused layers' LoRA weights only (a mixture of experts' LoRA
+    through peft's ParamWrapper, say, would get none)."""
+    from freetune import kernels
+
+    names = []
+    for i, layer in enumerate(decoder_layers(model)):
+        fused = {id(p) for m in layer.modules() if getattr(m, kernels.FUSED_ATTR, False) for p in m.parameters()}
+        names += [f"layer {i} {n}" for n, p in layer.named_parameters() if p.requires_grad and id(p) not in fused]
+    return names
 
 
 def pad_batches(trainer, plan) -> None:
