@@ -66,6 +66,9 @@ def at_train_begin():
     class EmbeddingsToHost(TrainerCallback):
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             moved = to_host(model)
+            embedding = model.get_input_embeddings()
+            if why_not(embedding):
+                print0(f"Input embeddings: stay on the GPU ({why_not(embedding)}).")
             if moved:
                 print0(f"Input embeddings: in host RAM while training, {moved / 2**20:,.0f} MiB off the GPU "
                        f"(freetune.host_embeddings).")

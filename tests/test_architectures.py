@@ -139,3 +139,20 @@ def test_varlen_attention_refuses_a_window_or_a_cap_it_would_drop():
         fast.refuse_what_varlen_drops(module, 64, {"sliding_window": 16})
     with pytest.raises(FreetuneError, match=r"soft-capped logits \(50.0\)"):
         fast.refuse_what_varlen_drops(module, 64, {"softcap": 50.0})
+
+
+def test_lora_dropout_on_a_mixtures_experts_is_refused_with_a_value_the_parameters_cell_takes():
+    """Where the plan had no shape (offline), peft's own refusal comes through attach_lora with the right advice (it
+    said "Set lora_targets to 'all-linear'", which it was)."""
+    from transformers import AutoModelForCausalLM
+
+    from freetune import params
+    from freetune.errors import FreetuneError
+    from freetune.model import attach_lora
+
+    model = AutoModelForCausalLM.from_pretrained(str(cached_tiny_model("qwen3_moe")), dtype=torch.float32)
+    with pytest.raises(FreetuneError, match="ParamWrapper, which takes no dropout. Set lora_dropout = 0.0"):
+        attach_lora(model, rank=4, alpha=8, dropout=0.05)
+    params.require(lora_dropout=0.0)
+    _, trainable, _ = attach_lora(model, rank=4, alpha=8, dropout=0.0)
+    assert trainable > 0
