@@ -178,8 +178,11 @@ class ModelShape:
         dims = self.linear_dims()
         dense = self.layers * sum(rank * sum(dims[m]) for m in self.lora_modules(targets) if m in ATTENTION_MODULES
                                   or not self.experts)
-        # peft's ParamWrapper on the experts' gate_up (hidden -> 2 x width) and down (width -> hidden), per expert
-        experts = (self.layers * self.experts * rank * (3 * self.hidden + 3 * self.expert_intermediate)
+        # peft 0.21's ParamWrapper on the experts' fused gate_up (2r per expert: hidden -> 2 x width) and down (r per
+        # expert: width -> hidden), and a LoRA on the router (hidden -> experts); counted against peft in
+        # tests/test_architectures.py
+        experts = (self.layers * rank * (self.experts * (3 * self.hidden + 5 * self.expert_intermediate)
+                                         + self.hidden + self.experts)
                    if self.experts and targets == "all-linear" else 0)
         return dense + experts
 

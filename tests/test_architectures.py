@@ -154,5 +154,7 @@ def test_lora_dropout_on_a_mixtures_experts_is_refused_with_a_value_the_paramete
     with pytest.raises(FreetuneError, match="ParamWrapper, which takes no dropout. Set lora_dropout = 0.0"):
         attach_lora(model, rank=4, alpha=8, dropout=0.05)
     params.require(lora_dropout=0.0)
+    model = AutoModelForCausalLM.from_pretrained(str(cached_tiny_model("qwen3_moe")), dtype=torch.float32)  # unwrapped
     _, trainable, _ = attach_lora(model, rank=4, alpha=8, dropout=0.0)
-    assert trainable > 0
+    # the plan's count of the LoRA weights (the experts' and the router's included) is peft's
+    assert trainable == ModelShape.named(str(cached_tiny_model("qwen3_moe"))).lora_params(4)
