@@ -118,7 +118,8 @@ def graphs_why_not(shape: ModelShape | None) -> str:
     arguments (mask, rotary embeddings) for every layer."""
     if shape is not None and shape.experts:
         return (f"{shape.model_type or shape.name} is a mixture of experts: the experts' LoRA weights (peft's "
-                f"ParamWrapper) are not fused LoRA layers, whose weights are the only ones the graphs take gradients of")
+                f"ParamWrapper) are not fused LoRA layers, whose weights are the only ones the graphs take "
+                f"gradients of")
     if shape is not None and shape.per_layer_arguments:
         return (f"{shape.model_type or shape.name} gives its layers different masks or rotary embeddings by layer "
                 f"type ({', '.join(sorted(set(shape.layer_types)))}), and the graphs replay one set for every layer")

@@ -158,3 +158,22 @@ def test_lora_dropout_on_a_mixtures_experts_is_refused_with_a_value_the_paramete
     _, trainable, _ = attach_lora(model, rank=4, alpha=8, dropout=0.0)
     # the plan's count of the LoRA weights (the experts' and the router's included) is peft's
     assert trainable == ModelShape.named(str(cached_tiny_model("qwen3_moe"))).lora_params(4)
+
+
+def test_a_mixture_of_experts_notebook_is_refused_at_the_recipes_dropout_and_trains_at_the_advised_one(tmp_path):
+    """tiny_4gb's Colab notebook on the tiny qwen3_moe (the one notebook run of this matrix): at the recipe's
+    lora_dropout 0.05 the preflight cell refuses before the model loads, with the value to set; at that value it
+    trains. Cost: one refused run (~20 s) and one 8-step CPU run."""
+    from conftest import run_recipe
+
+    moe = str(cached_tiny_model("qwen3_moe"))
+    refused, record, notebook = run_recipe("tiny_4gb", "colab", tmp_path / "refused", ("model_id", moe),
+                                           ("lora_dropout", "0.05"))
+    assert refused.returncode != 0
+    assert "Set lora_dropout = 0.0" in record["error"] and "ParamWrapper" in record["error"]
+    failed = [c for c in notebook.cells if any(o.get("output_type") == "error" for o in c.get("outputs", []))]
+    assert len(failed) == 1 and "make_plan(" in failed[0].source  # the preflight, before any model loads
+    trained, record, _ = run_recipe("tiny_4gb", "colab", tmp_path / "trained", ("model_id", moe),
+                                    ("lora_dropout", "0.0"))
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert record["training"]["steps"] == 8
