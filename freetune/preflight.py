@@ -407,7 +407,7 @@ def make_plan(hardware: Hardware | None = None, *, model_shape: ModelShape | str
     check_lora_fits_architecture(shape, lora_dropout)
     plan = _precision_step(hardware, force_policy, precision, shape)
     plan.reasons["model"] = shape_why
-    plan.model = shape.describe() if shape is not None else ""
+    plan.model = shape.describe() if shape is not None else f"{model_shape} (shape unknown)" if model_shape else ""
     _layout_step(plan, hardware, layout)
     on, plan.reasons["gradient_checkpointing"] = choose_checkpointing(gradient_checkpointing)
     plan.gradient_checkpointing = True if on is None else on

@@ -165,5 +165,6 @@ def test_a_hub_id_plans_from_the_hubs_cached_config_json_and_says_why_when_it_ca
 
     offline = make_plan(T4, model_shape="google/gemma-3-1b-it")  # not in the cache, and offline
     assert offline.memory is None and offline.micro_batch == 1
+    assert dict((c, v) for c, v, _ in offline.rows())["model"] == "google/gemma-3-1b-it (shape unknown)"
     assert any("its config.json could not be read from the Hub" in w and "local folder" in w
                for w in offline.warnings)
