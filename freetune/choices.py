@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from freetune.errors import FreetuneError
 from freetune.fast import (EFFICIENT_BACKENDS, POLICY_BACKENDS, VARLEN_ATTENTION, VARLEN_KERNEL_NAMES, varlen_backend,
                            varlen_works)
-from freetune.memory import TILE_TOKENS, ModelShape, embedding_bytes, estimate
+from freetune.memory import TILE_TOKENS, ModelShape, embedding_bytes, estimate, shape_of
 
 if TYPE_CHECKING:
     from freetune.preflight import Hardware
@@ -97,9 +97,53 @@ def choose_frozen_dtype(policy: str, compute_dtype: str) -> tuple[str, str]:
                            f"stream every layer saves")
 
 
-def choose_attention(hardware: Hardware, policy: str) -> tuple[str, str]:
+# ---- what the architecture allows ----------------------------------------------------------------------------------
+
+def varlen_why_not(shape: ModelShape | None, max_length: int) -> str:
+    """Why freetune's padding-free attention (freetune.fast) cannot honour this model ('' where it can): its kernels
+    take the rows' boundaries only, no sliding window and no soft-capping."""
+    if shape is None:
+        return ""
+    if shape.attn_softcap:
+        return (f"{shape.model_type or shape.name} soft-caps its attention logits, which the variable-length kernels "
+                f"do not")
+    if shape.sliding_window and shape.sliding_window < max_length:
+        return (f"{shape.model_type or shape.name}'s sliding window ({shape.sliding_window} tokens) is shorter than "
+                f"max_length ({max_length}), and the variable-length kernels attend to the whole row")
+    return ""
+
+
+def graphs_why_not(shape: ModelShape | None) -> str:
+    """Why freetune.graphed_layers cannot replay this model's layers ('' where it can): it replays one set of keyword
+    arguments (mask, rotary embeddings) for every layer."""
+    if shape is not None and shape.experts:
+        return (f"{shape.model_type or shape.name} is a mixture of experts: the experts' LoRA weights (peft's "
+                f"ParamWrapper) are not fused LoRA layers, whose weights are the only ones the graphs take "
+                f"gradients of")
+    if shape is not None and shape.per_layer_arguments:
+        return (f"{shape.model_type or shape.name} gives its layers different masks or rotary embeddings by layer "
+                f"type ({', '.join(sorted(set(shape.layer_types)))}), and the graphs replay one set for every layer")
+    return ""
+
+
+def mlp_why_not(shape: ModelShape | None) -> str:
+    """Why freetune.fused_mlp cannot stand in for this model's MLP ('' where it can)."""
+    from freetune.fused_mlp import MLP_MODEL_TYPES
+
+    if shape is None or shape.model_type in MLP_MODEL_TYPES:
+        return ""
+    if shape.experts:
+        return f"{shape.model_type}'s MLP is a mixture of {shape.experts} experts"
+    return (f"{shape.model_type or shape.name}'s MLP is not one it knows ({', '.join(sorted(MLP_MODEL_TYPES))}: "
+            f"separate gate, up and down projections with SiLU)")
+
+
+def choose_attention(hardware: Hardware, policy: str, shape: ModelShape | None = None) -> tuple[str, str]:
     """(attn_implementation, why): sdpa by default, FlashAttention 2 where installed and sm80+, eager only if
-    torch has no sdpa."""
+    torch has no sdpa, or for soft-capped attention logits (transformers' sdpa drops the cap)."""
+    if shape is not None and shape.attn_softcap:
+        return "eager", (f"{shape.model_type or shape.name} soft-caps its attention logits "
+                         f"({shape.attn_softcap:g}): transformers' eager attention applies the cap, sdpa would drop it")
     if not hardware.sdpa:
         return "eager", "this torch has no scaled_dot_product_attention (torch < 2.0): eager"
     if (policy == "ampere" and hardware.flash_attn and hardware.gpus
@@ -145,13 +189,18 @@ def _machine_layout(hardware: Hardware) -> tuple[str, int, str]:
 
 # ---- memory ------------------------------------------------------------------------------------------------------
 
+def choose_shape(model_shape) -> tuple[ModelShape | None, str]:
+    """(the model's shape, where it came from or why there is none): from its own config.json (a local folder, or the
+    Hub's config.json alone, before any weights: freetune.memory.shape_of)."""
+    if model_shape is None:
+        return None, "no model given"
+    if isinstance(model_shape, ModelShape):
+        return model_shape, "as given"
+    return shape_of(str(model_shape))
+
+
 def resolve_shape(model_shape) -> ModelShape | None:
-    if model_shape is None or isinstance(model_shape, ModelShape):
-        return model_shape
-    try:
-        return ModelShape.named(str(model_shape))
-    except KeyError:
-        return None  # an unknown hub id: the plan still decides precision and layout, without a memory check
+    return choose_shape(model_shape)[0]
 
 
 def choose_budget(hardware: Hardware, device: str, memory_budget_gib: float | None) -> tuple[float | None, str]:
@@ -267,6 +316,8 @@ def choose_mlp_kernel(shape, budget_gib: float, max_length: int, common: dict) -
     if common.get("lora_kernel") != "fused":
         return "layers", ("each projection on its own, as peft runs it (the fused MLP is for GPU runs, over "
                           "fused LoRA layers)")
+    if mlp_why_not(shape):
+        return "layers", f"each projection on its own: the fused MLP steps aside, {mlp_why_not(shape)}"
     if not every_layer_checkpointed(common):
         return "layers", "not every layer is checkpointed: there is memory to spare"
     settings = {**common, "mlp_kernel": "traced"}
@@ -299,12 +350,15 @@ def choose_loss_tile(common: dict) -> tuple[int, str]:
 GRAPHS_LOSS_TILE_TOKENS = 512
 
 
-def choose_cuda_graphs(common: dict, layout: str, lora_dropout: float | None) -> tuple[bool, str]:
+def choose_cuda_graphs(common: dict, layout: str, lora_dropout: float | None,
+                       shape: ModelShape | None = None) -> tuple[bool, str]:
     """(replay the checkpointed decoder layers as CUDA graphs?, why): freetune.graphed_layers, where every layer is
     checkpointed in one CUDA process with fused, compiled LoRA layers, padding-free rows and no dropout.
     lora_dropout None: no padding-free rows on this machine."""
     if common.get("device") != "cuda":
         return False, "off: a CPU run"
+    if graphs_why_not(shape):
+        return False, f"off (they step aside): {graphs_why_not(shape)}"
     needs = [(lora_dropout is not None, "padding-free rows (a variable-length attention kernel)"),
              (layout == "single" and common.get("world_size", 1) == 1, "one process"),
              (every_layer_checkpointed(common), "every layer checkpointed"),
@@ -373,7 +427,8 @@ def varlen_attention_reason() -> str:
             f"else through sdpa")
 
 
-def choose_batching(policy: str, gpus_capability: list[tuple[int, int]], micro_batch: int) -> tuple[str, str, str]:
+def choose_batching(policy: str, gpus_capability: list[tuple[int, int]], micro_batch: int,
+                    shape: ModelShape | None = None, max_length: int = 0) -> tuple[str, str, str]:
     """(batching, attn_implementation or "" to keep the plan's, why) for a policy ('turing', 'ampere', 'cpu')."""
     if micro_batch <= 1:
         return "padded", "", "one row per forward pass: nothing to pad"
@@ -382,6 +437,9 @@ def choose_batching(policy: str, gpus_capability: list[tuple[int, int]], micro_b
         # compared with the plain stack's row for row (LoRA dropout draws other masks for a packed row). On a
         # CPU sdpa would also compute a packed row's dense block-diagonal mask in full, as on a T4.
         return "padded", "", "a CPU run is a check: the plain stack's padded batches, same rows, same dropout draws"
+    if varlen_why_not(shape, max_length):
+        return ("grouped", "", f"padded batches of similar length, little padding (padding-free attention steps "
+                               f"aside: {varlen_why_not(shape, max_length)})")
     if policy in POLICY_BACKENDS and gpus_capability:
         ok, why = varlen_works(this_gpu(), policy)
         if ok:

@@ -240,16 +240,31 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
     backend = varlen_backend(query.device.index or 0) if cu is not None and query.is_cuda else ""
     dtype = kernel_dtype(query)
     if backend and query.shape[0] == 1 and dropout == 0.0 and dtype is not None:
+        max_len = kwargs.get("max_length_q") or int(cu.diff().max())
+        refuse_what_varlen_drops(module, int(max_len), kwargs)
         q = query[0].transpose(0, 1).to(dtype)  # (batch 1, heads, tokens, dim) -> (tokens, heads, dim)
         k = key[0].transpose(0, 1).to(dtype)
         v = value[0].transpose(0, 1).to(dtype)
-        max_len = kwargs.get("max_length_q") or int(cu.diff().max())
         out = _varlen_call(q, k, v, cu.to(device=q.device, dtype=torch.int32), int(max_len), scaling, backend)
         return out.unsqueeze(0), None  # (1, tokens, heads, dim), as sdpa_attention_forward returns
     if attention_mask is None and query.shape[0] == 1 and query.shape[2] > 1:
         attention_mask = rows_mask(kwargs.get("position_ids"), query.shape[2], query.device)  # varlen_mask skipped it
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   is_causal=is_causal, **kwargs)
+
+
+def refuse_what_varlen_drops(module, longest_row: int, kwargs: dict) -> None:
+    """Raise where the variable-length kernels would compute something else than the model asks: they take the rows'
+    boundaries only, no sliding window (harmless only where no row is longer) and no soft-capped logits. The plan steps
+    aside for such models (freetune.choices.varlen_why_not); this is the check that nothing else got here."""
+    window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+    if softcap or (window and window < longest_row):
+        from freetune.errors import FreetuneError
+
+        what = f"soft-capped logits ({softcap})" if softcap else f"a sliding window of {window} tokens"
+        raise FreetuneError(f"{type(module).__name__} asks for {what}, which freetune's variable-length attention "
+                            f"cannot honour; plan this model with freetune.preflight.make_plan(model_shape=<its "
+                            f"model_id>), which steps padding-free batches aside for it")
 
 
 def rows_mask(position_ids, tokens: int, device):

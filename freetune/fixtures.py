@@ -75,6 +75,19 @@ TINY_ARCHITECTURES = {
     "qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True),
     "qwen3": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], tie_word_embeddings=True, head_dim=16),
     "llama": dict(model_type="llama", architectures=["LlamaForCausalLM"], tie_word_embeddings=False),
+    # Windows of 16 tokens, so that test rows are longer than the window; Gemma-3's pattern 2 makes its two layers one
+    # sliding and one full (each with rotary embeddings of its own), as Gemma-2's alternate; an untied Gemma-3 table,
+    # so that its scaled embedding can move to the host.
+    "mistral": dict(model_type="mistral", architectures=["MistralForCausalLM"], tie_word_embeddings=False,
+                    sliding_window=16),
+    "gemma2": dict(model_type="gemma2", architectures=["Gemma2ForCausalLM"], tie_word_embeddings=True, head_dim=16,
+                   sliding_window=16, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                   query_pre_attn_scalar=16),
+    "gemma3_text": dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], tie_word_embeddings=False,
+                        head_dim=16, sliding_window=16, sliding_window_pattern=2, query_pre_attn_scalar=16),
+    "phi3": dict(model_type="phi3", architectures=["Phi3ForCausalLM"], tie_word_embeddings=False),
+    "qwen3_moe": dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], tie_word_embeddings=False,
+                      head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
 }
 
 

@@ -36,6 +36,11 @@ from __future__ import annotations
 from freetune import kernels, overrides
 
 FUSED_MLP_ATTR = "_freetune_fused_mlp"
+# The architectures (config.json's model_type) whose MLP class is one of overrides.SWIGLU_MLPS: separate gate, up and
+# down projections with SiLU. The plan takes the fused MLP only for these (freetune.choices.mlp_why_not): for any other
+# (Phi-3's fused gate_up_proj, Gemma's GELU, a mixture of experts) it would fuse nothing, so it must not count its
+# memory saving either.
+MLP_MODEL_TYPES = {"llama": "LlamaMLP", "qwen2": "Qwen2MLP", "qwen3": "Qwen3MLP", "mistral": "MistralMLP"}
 # Tokens per chunk: four chunk-sized tensors of this many tokens x intermediate in the backward (freetune.memory
 # counts them); smaller chunks add launches to a step bound by them.
 CHUNK_TOKENS = 2048

@@ -107,6 +107,7 @@ class GraphedLayers:
         self.copied = {}
         self.shape = None  # the _Shape of the batch being computed
         self.recorded = 0  # graphs recorded so far (for the log)
+        self.first_keywords = {}  # layer 0's keyword arguments this batch: every layer must get the same
 
     # ---- set-up --------------------------------------------------------------------------------------------------
 
@@ -205,6 +206,12 @@ class GraphedLayers:
             shape.kwargs = self._static_kwargs(shape, fn.keywords, tokens)
             shape.batches += 1
             self.shape = shape
+            self.first_keywords = fn.keywords
+        elif not same_arguments(fn.keywords, self.first_keywords):
+            differ = per_layer_difference(fn.keywords, self.first_keywords)
+            raise ValueError(f"decoder layer {i} gets other keyword arguments than layer 0 ({differ}): "
+                             f"the graphs replay layer 0's for every layer, which would compute another model. The "
+                             f"plan steps CUDA graphs aside for such models (freetune.choices.graphs_why_not)")
         shape = self.shape
         ctx.shape, ctx.tokens, ctx.input_grad = shape, tokens, hidden.requires_grad
         source, target = self.hidden[i % 2, :tokens], self.hidden[(i + 1) % 2, :tokens]
@@ -364,6 +371,27 @@ def _same(t):
     return t
 
 
+def same_arguments(keywords: dict, first: dict) -> bool:
+    """Whether a layer's keyword arguments are layer 0's: the very same tensors (transformers hands every layer the
+    same mask and rotary embeddings unless they differ by layer type), equal values otherwise."""
+    return not per_layer_difference(keywords, first)
+
+
+def per_layer_difference(keywords: dict, first: dict) -> str:
+    """The names of the keyword arguments that differ from layer 0's ('' where none)."""
+    import torch
+
+    def same(a, b) -> bool:
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            return a is b
+        if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return a is b or a == b
+
+    names = sorted(set(keywords) | set(first))
+    return ", ".join(n for n in names if n not in keywords or n not in first or not same(keywords[n], first[n]))
+
+
 _FUNCTION = {}
 
 
@@ -393,8 +421,20 @@ def why_not(model, plan, world_size: int, cast_once: bool) -> str | None:
     weights are cast once per forward into the same buffers (kernels.cast_adapters_once_per_forward)."""
     import torch
 
+    from freetune.choices import graphs_why_not
+    from freetune.memory import ModelShape
+
     dropouts = [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
+    config = getattr(model, "config", None)
+    try:
+        architecture = graphs_why_not(ModelShape.from_config(config))
+    except (AttributeError, KeyError, TypeError):  # no transformers config with a decoder's shape: nothing to check
+        architecture = ""
+    unfused = unfused_trainable(model)
     reasons = [
+        (bool(architecture), architecture),
+        (bool(unfused), f"trainable weights outside the fused LoRA layers ({', '.join(unfused[:3])}), which the "
+                        f"graphs would not give gradients to"),
         (plan.device != "cuda", "no GPU"),
         (world_size != 1, "more than one process"),
         (plan.batching != "padding_free", "batches that are not padding-free"),
@@ -405,6 +445,19 @@ def why_not(model, plan, world_size: int, cast_once: bool) -> str | None:
     ]
     found = [text for failed, text in reasons if failed]
     return "; ".join(found) if found else None
+
+
+def unfused_trainable(model) -> list[str]:
+    """Names of the decoder layers' trainable parameters that belong to no fused LoRA layer: the graphs' backward
+    takes the gradients of the layer's input and of its fused layers' LoRA weights only (a mixture of experts' LoRA
+    through peft's ParamWrapper, say, would get none)."""
+    from freetune import kernels
+
+    names = []
+    for i, layer in enumerate(decoder_layers(model)):
+        fused = {id(p) for m in layer.modules() if getattr(m, kernels.FUSED_ATTR, False) for p in m.parameters()}
+        names += [f"layer {i} {n}" for n, p in layer.named_parameters() if p.requires_grad and id(p) not in fused]
+    return names
 
 
 def pad_batches(trainer, plan) -> None:

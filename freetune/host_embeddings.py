@@ -27,13 +27,34 @@ def to_host(model) -> int:
     embedding = model.get_input_embeddings()
     weight = getattr(embedding, "weight", None)
     if (weight is None or weight.device.type != "cuda" or getattr(embedding, HOME_ATTR, None) is not None
-            or getattr(embedding, "max_norm", None) is not None or _shares_head(model, weight)):
+            or getattr(embedding, "max_norm", None) is not None or _shares_head(model, weight)
+            or why_not(embedding)):
         return 0
     home = weight.device
     weight.data = weight.data.to("cpu").pin_memory()
     attach(embedding, home)
     torch.cuda.empty_cache()
     return weight.numel() * weight.element_size()
+
+
+def why_not(embedding) -> str:
+    """Why the host lookup cannot stand in for this embedding module's forward ('' where it can): it does what
+    nn.Embedding does, and what Gemma-3's scaled embedding adds (embed_scale, Gemma3TextScaledWordEmbedding in
+    transformers 5.17); any other forward of its own it would drop."""
+    import torch
+
+    forward = type(embedding).forward
+    if forward is torch.nn.Embedding.forward or _scale_of(embedding) is not None:
+        return ""
+    return f"{type(embedding).__name__} has a forward of its own, which the host lookup would not run"
+
+
+def _scale_of(embedding):
+    """Gemma-3's embedding scale (a 0-d buffer, sqrt(hidden)), or None."""
+    import torch
+
+    scale = getattr(embedding, "embed_scale", None)
+    return scale if isinstance(scale, torch.Tensor) and scale.dim() == 0 else None
 
 
 def at_train_begin():
@@ -45,6 +66,9 @@ def at_train_begin():
     class EmbeddingsToHost(TrainerCallback):
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             moved = to_host(model)
+            embedding = model.get_input_embeddings()
+            if why_not(embedding):
+                print0(f"Input embeddings: stay on the GPU ({why_not(embedding)}).")
             if moved:
                 print0(f"Input embeddings: in host RAM while training, {moved / 2**20:,.0f} MiB off the GPU "
                        f"(freetune.host_embeddings).")
@@ -69,6 +93,9 @@ def attach(embedding, home) -> None:
     from freetune import overrides
 
     setattr(embedding, HOME_ATTR, home)
+    scale = _scale_of(embedding)
+    # Gemma-3's scale as its own forward applies it, in the table's dtype; kept on the host, with the rows.
+    embedding._freetune_host_scale = None if scale is None else scale.to("cpu", embedding.weight.dtype)
     overrides.replace_forward(embedding, _host_forward)
 
 
@@ -78,6 +105,7 @@ def detach(embedding) -> None:
 
     overrides.restore_forward(embedding)
     delattr(embedding, HOME_ATTR)
+    embedding.__dict__.pop("_freetune_host_scale", None)
 
 
 def _host_forward(self, ids):
@@ -93,6 +121,8 @@ def _host_forward(self, ids):
     pinned = self.weight.is_pinned()
     rows = torch.empty((flat.numel(), self.weight.shape[1]), dtype=self.weight.dtype, pin_memory=pinned)
     torch.index_select(self.weight, 0, flat, out=rows)
+    if self._freetune_host_scale is not None:
+        rows.mul_(self._freetune_host_scale)
     # From pinned memory the copy is queued on the GPU's stream and the host goes on; the caching host allocator keeps
     # the buffer until that copy has run.
     return rows.view(*ids.shape, -1).to(home, non_blocking=pinned)

@@ -184,6 +184,9 @@ def attach_lora(model, *, rank: int, alpha: int, dropout: float, target_modules:
     try:
         peft_model = get_peft_model(model, config, autocast_adapter_dtype=True)
     except ValueError as exc:
+        if "lora_dropout" in str(exc):  # peft 0.21's ParamWrapper (a mixture's experts): "does not work with ..."
+            raise FreetuneError(f"LoRA could not attach: {exc} peft adapts this model's experts through its "
+                                f"ParamWrapper, which takes no dropout. Set lora_dropout = 0.0") from exc
         raise FreetuneError(f"LoRA could not attach to {target_modules!r}: {exc}. {targets_advice(model)}") from exc
     trainable, total = peft_model.get_nb_trainable_parameters()
     return peft_model, trainable, total

@@ -30,8 +30,8 @@ from freetune.choices import (GRAPHS_LOSS_TILE_TOKENS, choose_attention, choose_
                               choose_checkpoint_every, choose_checkpointing, choose_compile, choose_cuda_graphs,
                               choose_embeddings, choose_frozen_dtype, graph_tokens,
                               choose_layout, choose_lora_kernel, choose_loss_tile, choose_mlp_kernel, choose_offload,
-                              choose_optimizer, choose_policy, choose_precision, choose_sampler, resolve_policy,
-                              resolve_shape, varlen_attention_reason)
+                              choose_optimizer, choose_policy, choose_precision, choose_sampler, choose_shape,
+                              resolve_policy, varlen_attention_reason)
 from freetune.errors import FreetuneError
 from freetune.fast import VARLEN_ATTENTION
 from freetune.memory import GIB, MemoryEstimate, ModelShape, estimate, fit
@@ -232,6 +232,7 @@ class Plan:
     # > 0: the checkpointed layers' forward and backward replayed as CUDA graphs, padding-free batches padded to a
     # multiple of this many tokens (freetune.graphed_layers); 0: off
     cuda_graph_tokens: int = 0
+    model: str = ""             # the model the plan is for, as its config.json describes it
     asked: dict = field(default_factory=dict)  # make_plan's arguments (hardware apart), for replan
     memory: MemoryEstimate | None = None
     machine: str = ""
@@ -265,6 +266,7 @@ class Plan:
         batch += f" = {self.rows_per_step} rows/step"
         rows = [
             ("machine", self.machine or self.device, r.get("machine", "")),
+            *([("model", self.model, r.get("model", ""))] if self.model else []),
             ("layout", self.layout if self.layout not in ("ddp", "fsdp") else f"{self.layout} x {self.world_size}",
              r.get("layout", "")),
             ("compute dtype", self.compute_dtype, r.get("compute_dtype", "")),
@@ -401,14 +403,18 @@ def make_plan(hardware: Hardware | None = None, *, model_shape: ModelShape | str
     asked_for = {k: v for k, v in locals().items() if k != "hardware"}
     hardware = hardware if hardware is not None else read_hardware()
     check_gpus_supported(hardware)
-    plan = _precision_step(hardware, force_policy, precision)
+    shape, shape_why = choose_shape(model_shape)
+    check_lora_fits_architecture(shape, lora_dropout)
+    plan = _precision_step(hardware, force_policy, precision, shape)
+    plan.reasons["model"] = shape_why
+    plan.model = shape.describe() if shape is not None else f"{model_shape} (shape unknown)" if model_shape else ""
     _layout_step(plan, hardware, layout)
     on, plan.reasons["gradient_checkpointing"] = choose_checkpointing(gradient_checkpointing)
     plan.gradient_checkpointing = True if on is None else on
-    shape = resolve_shape(model_shape)
     if model_shape is not None and shape is None:
-        plan.warnings.append(f"no known shape for {model_shape!r}: the memory check is skipped. Pass model_shape as a "
-                             f"local folder or a freetune.memory.ModelShape to size the batch")
+        plan.warnings.append(f"no shape for {model_shape!r}: {shape_why}. The memory check is skipped (batch 1, "
+                             f"checkpointing on). Run where the Hub is reachable, or set model_id to a local folder "
+                             f"with the model's config.json, to size the batch")
     budget, budget_why = choose_budget(hardware, plan.device, memory_budget_gib)
     plan.optimizer, plan.reasons["optimizer"] = choose_optimizer(optimizer, plan.device, shape, budget, lora_rank,
                                                                  lora_targets)
@@ -424,7 +430,8 @@ def make_plan(hardware: Hardware | None = None, *, model_shape: ModelShape | str
     plan.micro_batch, plan.max_length = micro_batch or 1, sizing.sized
     if shape is not None and budget:
         # CUDA graphs need padding-free rows: asked now (the probe's answer is kept), the batching is chosen later.
-        padding_free = choose_batching(plan.policy, [g.capability for g in hardware.gpus], 2)[0] == "padding_free"
+        padding_free = choose_batching(plan.policy, [g.capability for g in hardware.gpus], 2, shape,
+                                       sizing.sized)[0] == "padding_free"
         _memory_step(plan, sizing, lora_rank=lora_rank, lora_targets=lora_targets, loss_head=loss_head,
                      lora_dropout=lora_dropout if padding_free else None, optimizer_auto=optimizer == "auto")
     else:
@@ -436,13 +443,23 @@ def make_plan(hardware: Hardware | None = None, *, model_shape: ModelShape | str
     return plan
 
 
-def _precision_step(hardware: Hardware, force_policy: str | None, precision: str) -> Plan:
+def check_lora_fits_architecture(shape: ModelShape | None, lora_dropout: float) -> None:
+    """Refuse, before anything loads, LoRA settings peft cannot apply to this architecture."""
+    if shape is not None and shape.experts and lora_dropout:
+        raise FreetuneError(
+            f"{shape.name} is a mixture of experts ({shape.experts} per layer): peft adapts its experts' weights "
+            f"through its ParamWrapper, which takes no LoRA dropout (lora_dropout={lora_dropout:g}). "
+            f"Set lora_dropout = 0.0")
+
+
+def _precision_step(hardware: Hardware, force_policy: str | None, precision: str,
+                    shape: ModelShape | None = None) -> Plan:
     """The precision policy (a T4's fp16, Ampere's bf16, a CPU's fp32) and the dtypes and attention it implies."""
     policy, compute_why, warnings = choose_policy(hardware, resolve_policy(force_policy, precision))
     compute_dtype, mixed, reasons = choose_precision(policy)
     reasons["compute_dtype"] = compute_why
     frozen_dtype, reasons["frozen_dtype"] = choose_frozen_dtype(policy, compute_dtype)
-    attention, reasons["attention"] = choose_attention(hardware, policy)
+    attention, reasons["attention"] = choose_attention(hardware, policy, shape)
     return Plan(device="cpu" if policy == "cpu" else "cuda", compute_dtype=compute_dtype, mixed_precision=mixed,
                 attn_implementation=attention, reasons=reasons, lora_dtype="float32", policy=policy,
                 frozen_dtype=frozen_dtype, warnings=warnings)
@@ -482,7 +499,7 @@ def _memory_step(plan: Plan, sizing: _Sizing, **lora) -> None:
                                                                          common)
     common["loss_tile_tokens"], plan.reasons["loss_tile"] = choose_loss_tile(common)
     common["embeddings_on_host"], plan.reasons["embeddings"] = choose_embeddings(sizing.shape, common, plan.layout)
-    graphs, plan.reasons["cuda_graphs"] = choose_cuda_graphs(common, plan.layout, lora["lora_dropout"])
+    graphs, plan.reasons["cuda_graphs"] = choose_cuda_graphs(common, plan.layout, lora["lora_dropout"], sizing.shape)
     if graphs:
         common["cuda_graphs"] = True
         common["loss_tile_tokens"] = GRAPHS_LOSS_TILE_TOKENS
@@ -496,7 +513,33 @@ def _memory_step(plan: Plan, sizing: _Sizing, **lora) -> None:
     warnings_before = len(plan.warnings)
     _fit_batch(plan, sizing)
     _shard_if_needed(plan, sizing, warnings_before)
+    _refuse_what_cannot_fit(plan, sizing)
     plan.reasons["memory"] = f"{sizing.budget_why}; {plan.memory.breakdown()}"
+
+
+# The shortest rows a plan lowers max_length to before it calls a model too big (memory.fit's min_length).
+SHORTEST_ROWS = 256
+
+
+def _refuse_what_cannot_fit(plan: Plan, sizing: _Sizing) -> None:
+    """Refuse, before any weights are downloaded, a model that cannot train on this GPU even one short row at a time,
+    and say what size of model would."""
+    if plan.device != "cuda" or plan.memory is None or plan.memory.fits:
+        return
+    shape, budget = sizing.shape, sizing.budget
+    one_row = estimate(shape, max_length=min(SHORTEST_ROWS, sizing.sized), micro_batch=1, **sizing.common)
+    if one_row.total_gib <= budget:
+        return
+    overhead = one_row.overhead_gib
+    share = max(0.0, budget - overhead) / max(one_row.total_gib - overhead, 1e-9)
+    experts = (f", of which {shape.expert_params / 1e9:.1f} B are experts' weights that stay 16-bit"
+               if shape.experts else "")
+    raise FreetuneError(
+        f"{shape.name} cannot train on this GPU: {shape.total_params / 1e9:.1f} B parameters{experts}; even one row of "
+        f"{min(SHORTEST_ROWS, sizing.sized)} tokens needs ~{one_row.total_gib:.1f} GiB ({one_row.breakdown()}), and "
+        f"the plan has {budget:.1f} GiB ({sizing.budget_why}). A model of this kind fits up to about "
+        f"{shape.total_params * share / 1e9:.1f} B parameters: set model_id to a smaller model, or use a GPU with "
+        f"~{one_row.total_gib:.0f} GiB or more. Nothing was downloaded.")
 
 
 def _estimate_at(sizing: _Sizing, micro_batch: int, **changed) -> MemoryEstimate:
@@ -591,7 +634,7 @@ def _batching_step(plan: Plan, hardware: Hardware, sizing: _Sizing) -> None:
     """The accumulation that keeps the rows per step, how a micro-batch's rows are laid out, and which rank gets which."""
     plan.grad_accum = max(1, sizing.rows_per_gpu_step // plan.micro_batch)
     plan.batching, attention, plan.reasons["batching"] = choose_batching(
-        plan.policy, [g.capability for g in hardware.gpus], plan.micro_batch)
+        plan.policy, [g.capability for g in hardware.gpus], plan.micro_batch, sizing.shape, plan.max_length)
     # Processes, not GPUs: a CPU job under torchrun has several ranks too.
     plan.sampler, plan.reasons["sampler"] = choose_sampler(plan.batching,
                                                            max(plan.world_size, hardware.torchrun_world_size or 1))

@@ -58,3 +58,35 @@ def test_only_an_untied_table_on_a_gpu_moves(tiny_llama, tiny_model_dir):
     tied = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
     assert host_embeddings._shares_head(tied, tied.get_input_embeddings().weight)
     assert not host_embeddings._shares_head(tiny_llama, tiny_llama.get_input_embeddings().weight)
+
+
+def test_gemma_3s_scaled_table_looked_up_on_the_host_keeps_its_scale():
+    """Gemma-3 multiplies its looked-up rows by sqrt(hidden) in the embedding's own forward: the host lookup applies
+    the same scale, in the table's dtype, so logits, loss and LoRA gradients are the module's own (untied table, as a
+    model whose table would move)."""
+    plan = make_plan(Hardware(ram_total_gib=16.0, ram_available_gib=12.0))
+    model = load_base_model(str(cached_tiny_model("gemma3_text")), plan, gradient_checkpointing=True)
+    model, _, _ = attach_lora(model, rank=4, alpha=8, dropout=0.0, seed=0)
+    model.train()
+    embedding = model.get_input_embeddings()
+    assert float(embedding.embed_scale) == pytest.approx(64 ** 0.5) and host_embeddings.why_not(embedding) == ""
+    ids = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
+    logits, loss, grads = _loss_and_grads(model, ids)
+    host_embeddings.attach(embedding, torch.device("cpu"))
+    try:
+        host_logits, host_loss, host_grads = _loss_and_grads(model, ids)
+    finally:
+        host_embeddings.detach(embedding)
+    assert torch.equal(host_logits, logits) and torch.equal(host_loss, loss)
+    for name, grad in grads.items():
+        assert torch.equal(host_grads[name], grad), name
+    assert "_freetune_host_scale" not in embedding.__dict__
+
+
+def test_an_embedding_with_a_forward_of_its_own_stays_where_it_is():
+    class Shifted(torch.nn.Embedding):
+        def forward(self, ids):
+            return super().forward(ids) + 1
+
+    assert "Shifted has a forward of its own" in host_embeddings.why_not(Shifted(10, 4))
+    assert host_embeddings.why_not(torch.nn.Embedding(10, 4)) == ""

@@ -137,10 +137,11 @@ def test_4gb_card():
                      lora_rank=8, max_length=1024)
     assert (tiny.micro_batch, tiny.grad_accum, tiny.compute_dtype) == (1, 8, "float16")
     assert tiny.memory.fits and not tiny.warnings
-    # An 8B model cannot fit at all: micro-batch 1 and a warning saying what to change.
-    big = make_plan(CARD_4GB, model_shape="qwen3-8b", max_length=1024)
-    assert big.micro_batch == 1 and big.memory.fits is False
-    assert any("does not fit" in w and "smaller model" in w for w in big.warnings)
+    # An 8B model cannot fit at all, not even one short row: refused before anything is downloaded, with the size
+    # of model that would fit and the parameter to change.
+    with pytest.raises(FreetuneError, match=r"Qwen3-8B cannot train on this GPU.*even one row of 256 tokens needs "
+                                            r"~6\.8 GiB.*fits up to about 3\.\d B parameters: set model_id"):
+        make_plan(CARD_4GB, model_shape="qwen3-8b", max_length=1024)
     # A micro-batch asked for that does not fit is kept, with the one that would.
     asked = make_plan(CARD_4GB, model_shape="qwen2.5-1.5b", micro_batch=32, grad_accum=1, max_length=1024)
     assert asked.micro_batch == 32 and asked.memory.fits is False
