@@ -204,19 +204,3 @@ def suggest(tokenizer) -> str:
     return (f"It renders conversations as {template.name} does (checked on a probe conversation): set "
             f"`chat_template=\"{template.name}\"`{dropped}.")
 
-
-def end_of_turn(tokenizer) -> str | None:
-    """The token the chat template closes an assistant turn with (what generation must stop on, and what training
-    must teach), read from a rendered probe; None without a template or when no special token follows the answer.
-    It can differ from tokenizer.eos_token: SmolLM2's GGUF tokenizer says <|im_start|>, its turns end <|im_end|>."""
-    if not getattr(tokenizer, "chat_template", None):
-        return None
-    answer = "PROBE ANSWER 7431"
-    try:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"},
-                                              {"role": "assistant", "content": answer}], tokenize=False)
-    except Exception:  # a template that raises on plain turns: the caller falls back to the EOS
-        return None
-    after = text[text.rfind(answer) + len(answer):] if answer in text else ""
-    special = sorted({*tokenizer.all_special_tokens, *tokenizer.get_added_vocab()}, key=len, reverse=True)
-    return next((token for token in special if token and after.startswith(token)), None)

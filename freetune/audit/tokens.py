@@ -15,7 +15,6 @@ from itertools import compress
 from freetune.audit.findings import BLOCKING, WARNING, Finding, _n, _nearest_rank, _share
 from freetune.audit.twin import _Encoder
 from freetune.errors import FreetuneError
-from freetune.templates import end_of_turn
 
 
 TOKENIZE_BATCH = 2048     # rows per tokeniser call: big enough for the Rust side's threads, small for memory
@@ -124,10 +123,7 @@ def _tokenised(tokenizer, rows: list[dict], shape: str, assistant_only: bool):
 
 def _token_findings(tokenizer, rows: list[dict], shape: str, max_length: int | None, assistant_only: bool
                     ) -> tuple[list[Finding], dict, str]:
-    # The token that must be learnt is the one that ends a turn: the chat template's for chat rows (SmolLM2's GGUF
-    # tokenizer names <|im_start|> as EOS, its turns end <|im_end|>), the EOS TRL appends for plain text rows.
-    eos = (end_of_turn(tokenizer) if shape != "prompt_completion" else None) or tokenizer.eos_token
-    eos_id = tokenizer.convert_tokens_to_ids(eos) if eos else None
+    eos_id = tokenizer.eos_token_id
     lengths, trainable, has_eos = [], [], []
     tail = None  # the last trained tokens of the first untruncated row: shows what the labels end with
     batches, loss_on, encoder = _tokenised(tokenizer, rows, shape, assistant_only)
@@ -160,7 +156,7 @@ def _token_findings(tokenizer, rows: list[dict], shape: str, max_length: int | N
         "truncated_rows": len(truncated) if max_length is not None else None,
         "truncated_share": _share(len(truncated), n) if max_length is not None else None,
         "no_trainable_rows": len(none),
-        "eos_token": eos,
+        "eos_token": tokenizer.eos_token,
         "eos_in_labels_rows": sum(has_eos),
         "pad_token": tokenizer.pad_token,
         "pad_is_eos": pad_is_eos,
@@ -182,7 +178,7 @@ def _token_findings(tokenizer, rows: list[dict], shape: str, max_length: int | N
     if no_eos:
         findings.append(Finding(
             "eos_not_in_labels", "eos_not_in_labels", WARNING, "EOS not trained on",
-            f"EOS {eos!r} is not among the trained tokens of {_n(len(no_eos), 'untruncated row')} "
+            f"EOS {tokenizer.eos_token!r} is not among the trained tokens of {_n(len(no_eos), 'untruncated row')} "
             f"(the labels end like {labels_end!r}): the model may never learn to stop. Use a chat template that "
             f"closes the answer with EOS, or set the tokenizer's eos_token to the turn's end token.",
             no_eos, len(no_eos)))
