@@ -44,18 +44,49 @@ def _system_of(rows) -> str | None:
     return None
 
 
-def answer(model, tokenizer, messages: list[dict], *, max_new_tokens: int = 256, seed: int = 0) -> str:
-    """Generate the assistant's reply to `messages`, printing it as it comes; returns the text."""
-    import torch
+def _streamer(tokenizer):
+    """Shows the answer as it is written, as ONE output: a notebook output updated in place (a saved notebook then
+    holds one output per answer, not one per word), or plain prints in a terminal."""
     from transformers import TextStreamer
+
+    try:
+        from IPython import get_ipython
+        from IPython.display import display
+        in_kernel = getattr(get_ipython(), "kernel", None) is not None
+    except ImportError:
+        in_kernel = False
+
+    class OneOutputStreamer(TextStreamer):
+        def __init__(self):
+            super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
+            self.text = ""
+            self.handle = display({"text/plain": "adapter: "}, raw=True, display_id=True) if in_kernel else None
+            if self.handle is None:
+                print("adapter: ", end="", flush=True)
+
+        def on_finalized_text(self, text: str, stream_end: bool = False):
+            self.text += text
+            if self.handle is not None:
+                self.handle.update({"text/plain": f"adapter: {self.text}"}, raw=True)
+            else:
+                print(text, end="\n" if stream_end else "", flush=True)
+
+    return OneOutputStreamer()
+
+
+def answer(model, tokenizer, messages: list[dict], *, max_new_tokens: int = 256, seed: int = 0,
+           stream: bool = True) -> str:
+    """Generate the assistant's reply to `messages`; returns the text. stream: show it as it comes (see _streamer);
+    else nothing is shown (the caller prints the whole answer once)."""
+    import torch
 
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False).to(model.device)
-    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     torch.manual_seed(seed)
     with torch.no_grad():
-        out = model.generate(**inputs, streamer=streamer, do_sample=True, max_new_tokens=max_new_tokens,
-                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **SAMPLING)
+        out = model.generate(**inputs, streamer=_streamer(tokenizer) if stream else None, do_sample=True,
+                             max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                             eos_token_id=tokenizer.eos_token_id, **SAMPLING)
     return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
 
 
@@ -77,7 +108,6 @@ def try_it(base_model: str, adapter_dir: str, held_out=None, *, system_prompt: s
             while prompt := input("you: ").strip():
                 messages = ([{"role": "system", "content": system}] if system else []) + [
                     {"role": "user", "content": prompt}]
-                print("adapter: ", end="", flush=True)
                 answers.append(answer(model, tokenizer, messages, max_new_tokens=max_new_tokens))
             return answers
         if not held_out:
@@ -88,8 +118,9 @@ def try_it(base_model: str, adapter_dir: str, held_out=None, *, system_prompt: s
               f"prompts (in a notebook this cell asks for yours).", flush=True)
         for row in pick_rows(held_out, rows):
             messages = prompt_messages(row)
-            print(f"\nyou: {messages[-1]['content']}\nadapter: ", end="", flush=True)
-            answers.append(answer(model, tokenizer, messages, max_new_tokens=max_new_tokens))
+            # Nobody watches a headless run write: one print per answer, so the saved notebook holds one output each.
+            answers.append(answer(model, tokenizer, messages, max_new_tokens=max_new_tokens, stream=False))
+            print(f"\nyou: {messages[-1]['content']}\nadapter: {answers[-1]}", flush=True)
         return answers
     finally:
         del model

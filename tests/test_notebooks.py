@@ -169,6 +169,9 @@ def test_every_notebook_evaluates_while_training_lets_you_try_it_and_gives_one_v
     try_it = next(i for i, c in enumerate(cells) if "freetune.chat.try_it" in c.source)
     shown = cell_text(cells[try_it])
     assert "A headless run: nobody can type here" in shown and shown.count("\nyou: ") >= 2, shown[-2000:]
+    # One output per answer (the prompt and the whole answer), not one per streamed word.
+    answered = [o.get("text", "") for o in cells[try_it].outputs if "\nyou: " in o.get("text", "")]
+    assert len(answered) == shown.count("\nyou: ") and all("\nadapter: " in t for t in answered), answered
     if target == "kaggle":
         launch = next(i for i, c in enumerate(cells) if "run_torchrun" in c.source)
         assert launch < try_it and "All 2 ranks finished" in cell_text(cells[launch])

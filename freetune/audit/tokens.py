@@ -55,20 +55,11 @@ def _require_template(tokenizer) -> None:
 
 def _training_template(tokenizer) -> str | None:
     """The template TRL trains with under assistant_only_loss (one with {% generation %} markers); None when TRL
-    is not installed (the audit then counts the last assistant turn)."""
-    try:
-        from trl.chat_template_utils import get_training_chat_template, has_generation_markers
-    except ImportError:
-        return None
-    if has_generation_markers(tokenizer.chat_template):
-        return tokenizer.chat_template
-    try:
-        return get_training_chat_template(tokenizer) or tokenizer.chat_template
-    except ValueError as exc:
-        raise FreetuneError(
-            f"Training on assistant turns only needs a chat template that marks them ({{% generation %}}), and TRL "
-            f"cannot patch this tokenizer's template ({exc}). Set `assistant_only=False` to train on every token, "
-            f"or give the tokenizer a template with generation markers.") from exc
+    is not installed (the audit then counts the last assistant turn). Refused, naming the `chat_template` to set,
+    when TRL cannot patch it."""
+    from freetune.templates import training_template
+
+    return training_template(tokenizer)
 
 
 def _completion_starts(encode: _Encoder, prompts: list[str], fulls: list[str], special: bool):
