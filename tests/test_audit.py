@@ -405,3 +405,13 @@ def test_cli_errors_say_what_to_change(svg_sample, capsys):
     assert main([str(svg_sample), "--columns", "{not json"]) == 1
     assert main([str(svg_sample), "--strict"]) == 2   # the sample carries 2 copies and 4 conflicting prompts
     assert "exact duplicate row" in capsys.readouterr().out
+
+
+def test_a_max_length_that_cuts_off_every_answer_says_raise_max_length(contaminated, tokenizer):
+    # A max_length shorter than every prompt leaves no row with a trained token: the fix is max_length, not
+    # `columns` (which the message used to point at).
+    train, _ = contaminated
+    with pytest.raises(FreetuneError, match=r"max_length = 2 cuts off the answers of 212 rows: raise max_length "
+                                            r"\(the shortest row has \d+ tokens\)"):
+        audit_and_clean(train, auto_clean=True, accept_problems=False, tokenizer=tokenizer, max_length=2,
+                        checks=CHECKS)

@@ -96,10 +96,21 @@ def audit_and_clean(dataset, *, auto_clean: bool, accept_problems: bool, **audit
         summary.display()
         if len(dataset) == 0:
             raise FreetuneError(f"Every one of the {report.rows:,} rows has a blocking problem (see the table "
-                                f"above), so nothing is left to train on. Check the data set and its `columns`.")
+                                f"above), so nothing is left to train on. {_what_to_change(report)}")
         report = audit(dataset, **audit_kwargs)
         if report.blocking:
             print()
             report.display()
     enforce(report, accept_problems)
     return dataset, report, summary
+
+
+def _what_to_change(report) -> str:
+    """The advice when cleaning left no row: where max_length cut off most answers, raise it (the one setting that
+    drops good rows wholesale); otherwise the data or its column mapping is the place to look."""
+    cut_off = report.finding("no_trainable_tokens")
+    if cut_off is not None and 2 * len(cut_off.rows) > report.rows and report.tokens:
+        shortest = report.tokens["sequence_tokens"]["min"]
+        return (f"max_length = {report.settings['max_length']} cuts off the answers of {len(cut_off.rows):,} rows: "
+                f"raise max_length (the shortest row has {shortest:,} tokens).")
+    return "Check the data set and its `columns`."
