@@ -23,7 +23,8 @@ fi
 # torch first, the version CI tests. From PyPI on Linux that is the CUDA build (it runs on a CPU, with several GB of
 # nvidia-* packages); TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu gets the CPU-only build instead.
 # TORCH_VERSION picks another release (.ci/platforms tests Kaggle's 2.10.0 so).
-"$venv/bin/python" -m pip install -q "torch==${TORCH_VERSION:-2.13.0}" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
+torch_version="${TORCH_VERSION:-2.13.0}"
+"$venv/bin/python" -m pip install -q "torch==$torch_version" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 # torch's CUDA builds bring the Triton they were built with; the CPU build brings none, and freetune.triton_kernels'
 # tests need one for Triton's interpreter: the cpu-triton extra, only then (a second pin would fight torch's).
 extras="train,tasks,logging,dev"
