@@ -57,7 +57,8 @@ def render_install(target: str) -> str:
     platform = PLATFORMS[target]
     return f'''# Install freetune and the library versions it was tested with (rendered from pyproject.toml).
 # Does nothing when freetune is already importable (CI, local runs). torch is never reinstalled: {platform.name}'s
-# own CUDA build stays. freetune itself goes in with --no-deps so pip cannot swap torch underneath.
+# own CUDA build stays. freetune itself goes in with --no-deps so pip cannot swap torch underneath, at the release
+# this notebook was generated from ({release_tag()}), not whatever main holds the day it runs.
 import importlib.util
 import subprocess
 import sys
@@ -68,7 +69,7 @@ if importlib.util.find_spec("freetune") is None:
     ]
     subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", *PINNED])
     subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
-                           "freetune @ git+{repo}@main"])
+                           "freetune @ git+{repo}@{release_tag()}"])
     importlib.invalidate_caches()
 import freetune  # noqa: E402
 print("freetune", freetune.__version__)'''
@@ -109,6 +110,11 @@ def _code(source: str, tags=()) -> nbformat.NotebookNode:
 
 def _markdown(source: str) -> nbformat.NotebookNode:
     return nbformat.v4.new_markdown_cell(source)
+
+
+def release_tag() -> str:
+    """The git tag of the freetune release the notebooks are generated from: v<version> (docs/releasing.md)."""
+    return f"v{project_meta()['version']}"
 
 
 def repo_url() -> str:

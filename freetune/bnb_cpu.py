@@ -18,8 +18,9 @@ from __future__ import annotations
 import math
 
 from freetune import overrides
+from freetune.errors import FreetuneError, reason
 
-_CHECKED: dict = {}  # "result": (correct, why), once per process
+_CHECKED: dict = {}  # "replaced": whether freetune's kernel is in place; set once a correct kernel holds
 # A weight whose rows are 2.5 blocks long: the condition the native kernel gets wrong.
 PROBE_SHAPE = (96, 160)
 
@@ -71,26 +72,39 @@ def check_dequantize() -> tuple[bool, str]:
 
 def ensure_correct_dequantize() -> bool:
     """Check bitsandbytes' CPU 4-bit dequantisation once; where it is wrong, replace it (CPU only) with the
-    reference and print why. Returns True when the replacement is in place."""
-    if "result" in _CHECKED:
-        return not _CHECKED["result"][0]
+    reference and print why. Returns True when the replacement is in place. The check counts as done only once a
+    correct kernel holds: after a failure the next call checks again, rather than train on the wrong weights."""
+    if "replaced" in _CHECKED:
+        return _CHECKED["replaced"]
     import bitsandbytes  # noqa: F401  (registers its ops and CPU kernels first)
 
     correct, why = check_dequantize()
-    _CHECKED["result"] = (correct, why)
-    if correct:
-        return False
+    if not correct:
+        replace_dequantize(dequantize_4bit_reference)
+        from freetune.distributed import print0
 
-    def dequantize_4bit_cpu(A, absmax, blocksize, quant_type, shape, dtype):
-        return dequantize_4bit_reference(A, absmax, blocksize, quant_type, shape, dtype)
+        print0(f"bitsandbytes {bitsandbytes.__version__}'s CPU 4-bit dequantisation is wrong on this CPU for layers "
+               f"whose input size is not a multiple of 64 ({why}): freetune dequantises 4-bit weights on the CPU in "
+               f"PyTorch instead. GPUs are not affected.")
+    _CHECKED["replaced"] = not correct
+    return not correct
 
-    overrides.register_cpu_dequantize(dequantize_4bit_cpu)
-    still, _ = check_dequantize()
-    if not still:
-        raise RuntimeError("freetune could not replace bitsandbytes' CPU 4-bit dequantisation")
-    from freetune.distributed import print0
 
-    print0(f"bitsandbytes {bitsandbytes.__version__}'s CPU 4-bit dequantisation is wrong on this CPU for layers whose "
-          f"input size is not a multiple of 64 ({why}): freetune dequantises 4-bit weights on the CPU in PyTorch "
-          f"instead. GPUs are not affected.")
-    return True
+def replace_dequantize(kernel) -> None:
+    """`kernel` (dequantize_4bit_reference's arguments) as bitsandbytes' CPU dequantize_4bit, checked on the probe
+    weight; FreetuneError, and the check to be run again, when it cannot be registered or computes other weights."""
+    import torch
+
+    _CHECKED.clear()  # whatever happens below, the kernel in place is no longer the one checked
+    try:
+        overrides.register_cpu_dequantize(kernel)
+    except Exception as exc:  # torch < 2.8 has no Library.impl(..., allow_override=True)
+        raise FreetuneError(
+            f"freetune could not replace bitsandbytes' CPU 4-bit dequantisation, which is wrong on this CPU, under "
+            f"torch {torch.__version__} ({reason(exc)}). Install torch 2.8 or newer (pip install 'torch>=2.8'), "
+            f"or train on a GPU.") from exc
+    correct, why = check_dequantize()
+    if not correct:
+        raise FreetuneError(f"freetune's CPU 4-bit dequantisation, registered under torch {torch.__version__}, still "
+                            f"computes other weights ({why}). Train on a GPU, where bitsandbytes' CUDA kernels are "
+                            f"used.")

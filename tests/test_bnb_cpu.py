@@ -101,3 +101,36 @@ def test_an_odd_sized_4bit_layer_runs_in_eval_mode_on_the_cpu(odd_sized_model):
     ids = torch.tensor([[1, 2, 3, 4]])
     with torch.no_grad():
         assert torch.isfinite(model(input_ids=ids).logits).all()
+
+
+def test_a_replacement_that_fails_is_checked_again_not_trusted(tmp_path):
+    """The check counts as done only once a correct kernel holds. A replacement that computes other weights (here a
+    kernel that returns zeros) raises, naming the torch version; the next ensure_correct_dequantize() checks again
+    and puts the reference in place, rather than trust the wrong kernel and train on its weights. In a process of
+    its own (~5 s): the kernels it registers would otherwise stay for the other tests."""
+    import subprocess
+    import sys
+
+    script = """
+import torch
+from freetune import bnb_cpu
+from freetune.errors import FreetuneError
+
+bnb_cpu.ensure_correct_dequantize()
+zeros = lambda A, absmax, blocksize, quant_type, shape, dtype: torch.zeros(shape, dtype=dtype)
+try:
+    bnb_cpu.replace_dequantize(zeros)
+except FreetuneError as error:
+    assert f"torch {torch.__version__}" in str(error), error
+else:
+    raise AssertionError("a kernel of zeros passed the check")
+assert not bnb_cpu.check_dequantize()[0]
+assert bnb_cpu.ensure_correct_dequantize() is True
+correct, why = bnb_cpu.check_dequantize()
+assert correct, why
+print("checked again")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "checked again" in done.stdout
+    assert "freetune dequantises 4-bit weights on the CPU in PyTorch instead" in done.stdout

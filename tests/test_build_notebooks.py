@@ -26,6 +26,13 @@ def test_committed_notebooks_are_up_to_date():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_the_package_and_pyproject_carry_one_version():
+    """freetune.__version__ is what the notebooks print; pyproject's version names the tag they install."""
+    import freetune
+
+    assert freetune.__version__ == build_notebooks.project_meta()["version"]
+
+
 def test_check_fails_and_names_the_stale_notebook_after_a_recipe_edit(tmp_path):
     for item in ("build_notebooks.py", "pyproject.toml", "recipes", "notebooks", "freetune"):
         source = REPO / item
@@ -68,6 +75,9 @@ def test_notebook_shape(recipe, target):
     assert "transformers==5.17.0" in install.source and "trl==1.16.0" in install.source
     assert '"torch' not in install.source, "the install cell must never reinstall the platform's torch"
     assert "--no-deps" in install.source and "git+https://github.com/" in install.source
+    version = build_notebooks.project_meta()["version"]
+    assert f'@v{version}"' in install.source and "@main" not in install.source, \
+        "the install cell must install the release the notebook was generated from, not whatever main holds"
     paths_cell = next(c for c in code if "paths" in c.metadata.get("tags", []))
     assert f"target={target!r}" in paths_cell.source
     if target == "colab":
