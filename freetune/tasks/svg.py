@@ -92,11 +92,14 @@ def render_svg(block: str, side: int = 256):
     The image keeps the SVG's aspect ratio, scaled so its longer side is `side` pixels: drawn at its own size,
     an SVG that says width="30000" would make cairo allocate gigabytes, and a 16-pixel icon would be a speck.
     """
-    from cairosvg.helpers import node_format
-    from cairosvg.parser import Tree
-    from cairosvg.surface import PNGSurface
     from PIL import Image
 
+    try:  # without cairo (a GPU image may lack it) the picture is not drawn, and the box says why
+        from cairosvg.helpers import node_format
+        from cairosvg.parser import Tree
+        from cairosvg.surface import PNGSurface
+    except (ImportError, OSError) as exc:
+        return None, f"cannot render here: cairosvg unavailable ({type(exc).__name__})"
     try:
         tree = Tree(bytestring=block.encode("utf-8"))
         width, height, _ = node_format(_SIZE_PROBE, tree)
