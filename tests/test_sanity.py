@@ -335,7 +335,10 @@ def test_adapter_trained_on_clean_rows_is_not_collapsed(sharp_tiny_model_dir, tm
     run = train_adapter(sharp_tiny_model_dir, training_rows(contaminated=False), tmp_path / "clean-run")
     report = compare(sharp_tiny_model_dir, run / "final", EVAL_ROWS, task="svg", max_new_tokens=16)
     adapter = report.adapter
-    assert adapter["verdict"] == "ok", report.table()
+    # Not collapsed; and not "ok" either: the tiny random model learns the format (SVG, EOS) but draws what was
+    # asked for only a quarter of the unseen colour/shape pairs, and the verdict says so (issue 44).
+    assert adapter["verdict"] == "weak", report.table()
+    assert any("does not do what the prompts ask" in w for w in adapter["warnings"]), report.table()
     assert adapter["most_common_share"] < 0.5 and adapter["distinct_ratio"] >= 0.3
     # It learnt the task: its answers are SVG, where the untrained base's are not. A model that said anything
     # at random would also not be "collapsed"; this one is not collapsed while doing the task.
