@@ -40,7 +40,7 @@ from freetune.checkpoint import checkpoint_step
 from freetune.data import completion_text, prompt_messages
 from freetune.errors import FreetuneError
 from freetune.resources import release_memory
-from freetune.tasks import TASK_NAMES, load_task
+from freetune.tasks import TASK_NAMES, load_task, normalise_answer, reference_metrics, summarise_metrics
 
 # One verdict per model, the worst its findings imply: "ok" only when nothing looks wrong; "inconclusive" when the
 # prompts cannot show collapse; "weak" when the outputs ignore the prompt, loop, run on or are empty; "collapsed"
@@ -58,6 +58,12 @@ REFERENCE_MARGIN = 0.25
 NEAR_IDENTICAL_MIN_CHARS = 4
 NEAR_IDENTICAL_FRACTION = 0.03
 NGRAM = 4
+# The verdict is "ok" only when at least this share of greedy answers does what the prompt asked (the task's
+# ADHERENCE metric against the reference), and an adapter whose greedy answers hold at most DIVERSITY_SHARE of the
+# references' different answers (pictures, actions, texts) is warned that it ignores the prompt.
+ADHERENCE_OK = 0.8
+DIVERSITY_SHARE = 0.5
+DIVERSITY_MIN_REFERENCES = 4  # fewer different references (a yes/no task) cannot show that the prompt is ignored
 _WORDS = re.compile(r"\w+|[^\w\s]")
 
 
@@ -143,9 +149,7 @@ def generate(model, tokenizer, prompts: list[list[dict]], *, greedy: bool = True
 
 # ------------------------------------------------------------------------------------------ the sanity report
 
-def normalise(text: str) -> str:
-    """Case and whitespace do not make two answers different."""
-    return " ".join(text.split()).casefold()
+normalise = normalise_answer  # case and whitespace do not make two answers different
 
 
 Q = 8
@@ -223,7 +227,7 @@ def _shorten(text: str, limit: int = 300) -> str:
 
 
 def sanity_report(generations: list[Generation], references: list[str] | None = None,
-                  collapse_share: float = COLLAPSE_SHARE) -> dict:
+                  collapse_share: float = COLLAPSE_SHARE, following: dict | None = None) -> dict:
     """Distinct outputs, the most common output and its share, looping, EOS rate, length, and a verdict.
 
     Verdict "collapsed": one near-identical output makes up at least `collapse_share` of all generations (greedy
@@ -283,6 +287,7 @@ def sanity_report(generations: list[Generation], references: list[str] | None = 
         found.append((WEAK, f"{ngram_rate:.0%} of {NGRAM}-grams repeat within their output: the model loops."))
     if empty_share > 0.25:
         found.append((WEAK, f"{empty_share:.0%} of outputs are empty."))
+    found += _following_findings(following) if following else []
     warnings = [text for _, text in found]
     verdict = COLLAPSED if collapsed else max((v for v, _ in found), key=VERDICTS.index, default=OK)
     if verdict == WEAK:
@@ -308,8 +313,63 @@ def sanity_report(generations: list[Generation], references: list[str] | None = 
         "mean_new_tokens": sum(tokens) / len(tokens) if tokens else None,
         "mean_chars": sum(len(t) for t in texts) / n,
         "empty_share": empty_share,
+        "following": following,
         "warnings": warnings,
     }
+
+
+# ------------------------------------------------------------------------ does it do what the prompt asked?
+
+def prompt_following(generations: list[Generation], rows: list[dict], task_metrics: list[dict],
+                     task_module: ModuleType | None) -> dict:
+    """The greedy answers (the first sample where there is no greedy one) judged as the task judges them:
+    adherence, the share doing what the prompt asked (the task's ADHERENCE metric against the reference; None for
+    a task without one), and how many different answers (the task's signature: a picture's size, colours and
+    shapes, an action; the normalised text without a task) they hold, next to how many the references hold.
+
+    task_metrics: the task's metrics for each generation, in the same order (empty without a task).
+    """
+    chosen = {}
+    for k, g in enumerate(generations):
+        if g.mode == "greedy" or g.prompt_index not in chosen:
+            chosen[g.prompt_index] = k
+    signature = getattr(task_module, "signature", None) or normalise_answer
+    answers = [signature(generations[k].text) for k in chosen.values()]
+    references = {signature(completion_text(rows[i])) for i in chosen}
+    adherence_key = getattr(task_module, "ADHERENCE", None)
+    judged = [task_metrics[k][adherence_key] for k in chosen.values()
+              if task_metrics and task_metrics[k].get(adherence_key) is not None]
+    common = Counter(a for a in answers if a is not None).most_common(1)
+    return {
+        "answers": len(answers),
+        "answered": sum(a is not None for a in answers),
+        "distinct_answers": len({a for a in answers if a is not None}),
+        "reference_distinct_answers": len(references - {None}),
+        "most_common_answer": _describe(common[0][0]) if common else None,
+        "most_common_count": common[0][1] if common else 0,
+        "adherence": sum(judged) / len(judged) if judged else None,
+        "adherence_means": getattr(task_module, "ADHERENCE_MEANS", None),
+        "answers_mean": getattr(task_module, "SIGNATURE_MEANS", "answers"),
+    }
+
+
+def _describe(answer) -> str:
+    return answer.describe() if hasattr(answer, "describe") else _shorten(str(answer), 120)
+
+
+def _following_findings(following: dict) -> list[tuple[str, str]]:
+    found = []
+    adherence, n = following["adherence"], following["answers"]
+    if adherence is not None and adherence < ADHERENCE_OK:
+        found.append((WEAK, f"Only {adherence:.0%} of the {n} greedy answers match {following['adherence_means']} "
+                            f"(ok needs {ADHERENCE_OK:.0%}): it does not do what the prompts ask."))
+    distinct, wanted = following["distinct_answers"], following["reference_distinct_answers"]
+    if (wanted >= DIVERSITY_MIN_REFERENCES and following["answered"] * 2 >= n
+            and distinct <= DIVERSITY_SHARE * wanted):
+        found.append((WEAK, f"Its {n} greedy answers hold {distinct} different {following['answers_mean']}, where "
+                            f"the references hold {wanted}: it answers much the same whatever the prompt asks "
+                            f"({following['most_common_count']} of {n}: {following['most_common_answer']})."))
+    return found
 
 
 # ------------------------------------------------------------------------------------------ base vs adapter
@@ -342,6 +402,8 @@ class ComparisonReport:
     base_generations: list[Generation]
     adapter_generations: list[Generation]
     adapter_dir: str | None = None
+    base_text: dict | None = None     # any task: exact match and similarity to the references (summarise_metrics)
+    adapter_text: dict | None = None
 
     @property
     def collapsed(self) -> bool:
@@ -363,6 +425,11 @@ class ComparisonReport:
     def rows(self) -> list[tuple[str, str, str]]:
         """(metric, base, adapter) rows: the sanity numbers, then the task metrics."""
         rows = [(label, _fmt(f, self.base[key]), _fmt(f, self.adapter[key])) for label, key, f in _SANITY_ROWS]
+        rows += self._following_rows()
+        for key, label in (("exact_match", "answer = reference"), ("similarity", "similarity to reference")):
+            if self.adapter_text and self.adapter_text.get(key) is not None:
+                base = (self.base_text or {}).get(key)
+                rows.append((label, _fmt("{:.0%}", base), _fmt("{:.0%}", self.adapter_text[key])))
         if self.base_task and self.adapter_task:
             for key, value in self.adapter_task.items():
                 if key == "outputs":
@@ -370,6 +437,20 @@ class ComparisonReport:
                 is_rate = not key.endswith(("violations", "entities"))
                 f = "{:.0%}" if is_rate else "{:.2f} per output"
                 rows.append((f"{self.task}: {key}", _fmt(f, self.base_task.get(key)), _fmt(f, value)))
+        return rows
+
+    def _following_rows(self) -> list[tuple[str, str, str]]:
+        base, adapter = self.base.get("following"), self.adapter.get("following")
+        if not base or not adapter:
+            return []
+        rows = []
+        if adapter["adherence"] is not None:
+            rows.append(("does what was asked (greedy)", _fmt("{:.0%}", base["adherence"]),
+                         _fmt("{:.0%}", adapter["adherence"])))
+        wanted = adapter["reference_distinct_answers"]
+        rows.append((f"different {adapter['answers_mean']}, greedy (references: {wanted})",
+                     f"{base['distinct_answers']} of {base['answers']}", f"{adapter['distinct_answers']} of "
+                     f"{adapter['answers']}"))
         return rows
 
     def table(self) -> str:
@@ -386,7 +467,8 @@ class ComparisonReport:
 
     def to_dict(self) -> dict:
         return {"task": self.task, "adapter_dir": self.adapter_dir, "base": self.base, "adapter": self.adapter,
-                "base_task": self.base_task, "adapter_task": self.adapter_task, "examples": self.examples(),
+                "base_task": self.base_task, "adapter_task": self.adapter_task, "base_text": self.base_text,
+                "adapter_text": self.adapter_text, "examples": self.examples(),
                 "base_generations": [asdict(g) for g in self.base_generations],
                 "adapter_generations": [asdict(g) for g in self.adapter_generations]}
 
@@ -434,25 +516,40 @@ def compare_model(model, tokenizer, rows, *, task: str | ModuleType | None = Non
     task_module = load_task(task)
     rows = [dict(row) for row in rows]
     prompts = [prompt_messages(row) for row in rows]
-    references = [completion_text(row) for row in rows]
     options = dict(greedy=greedy, seeds=seeds, temperature=temperature, max_new_tokens=max_new_tokens,
                    batch_size=batch_size)
     print(f"Generating from {len(rows)} held-out prompt(s), with the adapter and without ...", flush=True)
     adapter_generations = generate(model, tokenizer, prompts, **options)
     with model.disable_adapter():
         base_generations = generate(model, tokenizer, prompts, **options)
+    return judge(rows, base_generations, adapter_generations, task=task_module, adapter_dir=adapter_dir)
 
-    def task_summary(generations):
-        if task_module is None:
-            return None
-        return task_module.summarise([task_module.metrics(g.text, rows[g.prompt_index]) for g in generations])
 
+def judge(rows, base_generations: list[Generation], adapter_generations: list[Generation], *,
+          task: str | ModuleType | None = None, adapter_dir: str | None = None) -> ComparisonReport:
+    """The report on generations already made (compare_model's, or ones saved with to_dict): sanity numbers,
+    task metrics against each row's reference, and one verdict per model. Needs no model, so a saved run can be
+    judged again by a newer freetune."""
+    task_module = load_task(task)
+    rows = [dict(row) for row in rows]
+    references = [completion_text(row) for row in rows]
+
+    def judged(generations):
+        task_metrics = ([task_module.metrics(g.text, rows[g.prompt_index]) for g in generations]
+                        if task_module else [])
+        text_metrics = [reference_metrics(g.text, references[g.prompt_index]) for g in generations]
+        following = prompt_following(generations, rows, task_metrics, task_module)
+        summary = task_module.summarise(task_metrics) if task_module else None
+        return summary, summarise_metrics(text_metrics), sanity_report(generations, references, following=following)
+
+    base_task, base_text, base = judged(base_generations)
+    adapter_task, adapter_text, adapter = judged(adapter_generations)
     return ComparisonReport(
-        base=sanity_report(base_generations, references), adapter=sanity_report(adapter_generations, references),
-        base_task=task_summary(base_generations), adapter_task=task_summary(adapter_generations),
+        base=base, adapter=adapter, base_task=base_task, adapter_task=adapter_task,
         task=task_module.__name__.rsplit(".", 1)[-1] if task_module else None,
-        prompts=[_last_user_turn(p) for p in prompts], references=references,
-        base_generations=base_generations, adapter_generations=adapter_generations, adapter_dir=adapter_dir)
+        prompts=[_last_user_turn(prompt_messages(row)) for row in rows], references=references,
+        base_generations=base_generations, adapter_generations=adapter_generations, adapter_dir=adapter_dir,
+        base_text=base_text, adapter_text=adapter_text)
 
 
 def resolve_adapter_dir(adapter_dir: str | Path) -> Path:

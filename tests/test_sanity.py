@@ -335,10 +335,101 @@ def test_adapter_trained_on_clean_rows_is_not_collapsed(sharp_tiny_model_dir, tm
     run = train_adapter(sharp_tiny_model_dir, training_rows(contaminated=False), tmp_path / "clean-run")
     report = compare(sharp_tiny_model_dir, run / "final", EVAL_ROWS, task="svg", max_new_tokens=16)
     adapter = report.adapter
-    assert adapter["verdict"] == "ok", report.table()
+    # Not collapsed; and not "ok" either: the tiny random model learns the format (SVG, EOS) but draws what was
+    # asked for only a quarter of the unseen colour/shape pairs, and the verdict says so (issue 44).
+    assert adapter["verdict"] == "weak", report.table()
+    assert any("does not do what the prompts ask" in w for w in adapter["warnings"]), report.table()
     assert adapter["most_common_share"] < 0.5 and adapter["distinct_ratio"] >= 0.3
     # It learnt the task: its answers are SVG, where the untrained base's are not. A model that said anything
     # at random would also not be "collapsed"; this one is not collapsed while doing the task.
     assert report.adapter_task["has_svg_block"] >= 0.75 and report.base_task["has_svg_block"] == 0.0
     assert report.examples()[0]["reference"] == '<svg><circle fill="red"/></svg>'
     assert "COLLAPSED" not in report._repr_html_()
+
+
+# ------------------------------------------------------------- does it do what was asked? (judge, by hand)
+
+SVG_COLOURS = ["#e53935", "#1e88e5", "#43a047", "#fb8c00", "#8e24aa", "#000000"]
+
+
+def drawing(size, background, fill, shape="circle", moved=0):
+    """An SVG; `moved` shifts and grows its shape (a few characters more than near-identical allows)."""
+    body = (f'<circle cx="{size // 2 + 3 * moved}" cy="{size // 3 + 5 * moved}" r="{size // 4 + 7 * moved}" '
+            f'fill="{fill}"/>' if shape == "circle"
+            else f'<rect x="{4 + moved}" y="4" width="{size // 2}" height="{size // 2}" fill="{fill}"/>')
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{size}" height="{size}" viewBox="0 0 {size} {size}">'
+            f'<rect width="{size}" height="{size}" fill="{background}"/>{body}</svg>')
+
+
+def asked_rows():
+    """Twelve prompts, each with its own size, background, colour and shape, answered by their reference."""
+    rows = []
+    for i in range(12):
+        size, shape = (64, 100, 128)[i % 3], ("circle", "square")[i % 2]
+        background, fill = SVG_COLOURS[i % 6], SVG_COLOURS[(i + 1 + i // 6) % 6]
+        rows.append({"prompt": f"Draw a {fill} {shape} on {background}, {size} pixels wide.",
+                     "completion": drawing(size, background, fill, shape)})
+    return rows
+
+
+def test_an_adapter_that_draws_one_picture_for_every_prompt_is_weak_not_ok():
+    from freetune.sanity import judge
+
+    rows = asked_rows()
+    # Well-formed, rendering SVG every time, never the same text (the circle moves), so no collapse; but one
+    # picture: 128 pixels, gray, a red circle, whatever was asked. The format metrics all pass.
+    one_picture = gens([drawing(128, "#757575", "#e53935", moved=i) for i in range(12)])
+    asked = gens([row["completion"] for row in rows])
+    report = judge(rows, base_generations=one_picture, adapter_generations=asked, task="svg")
+    assert report.base_task["well_formed_xml"] == report.base_task["renders"] == 1.0
+    assert report.base["verdict"] == "weak" and report.base["distinct_ratio"] == 1.0
+    warnings = " ".join(report.base["warnings"])
+    assert "0% of the 12 greedy answers match the reference's size, background and colours" in warnings
+    assert "hold 1 different pictures, where the references hold 12" in warnings and "128x128" in warnings
+    assert report.adapter["verdict"] == "ok" and report.adapter_task["follows_prompt"] == 1.0
+    rows_by_label = {label: (base, adapter) for label, base, adapter in report.rows()}
+    assert rows_by_label["does what was asked (greedy)"] == ("0%", "100%")
+    assert rows_by_label["different pictures, greedy (references: 12)"] == ("1 of 12", "12 of 12")
+
+
+def test_ok_only_when_most_answers_do_what_was_asked():
+    from freetune.sanity import ADHERENCE_OK, judge
+
+    rows = asked_rows()
+    # Varied pictures, right size and shape, but the background of the next prompt: a different picture for
+    # every prompt and still not what was asked, for all but the answers kept right.
+    def answers(right):
+        return gens([row["completion"] if i < right else
+                     drawing((64, 100, 128)[i % 3], SVG_COLOURS[(i + 3) % 6], SVG_COLOURS[(i + 1 + i // 6) % 6],
+                             ("circle", "square")[i % 2]) for i, row in enumerate(rows)])
+    mostly = judge(rows, answers(6), answers(10), task="svg")
+    assert mostly.adapter["following"]["adherence"] == pytest.approx(10 / 12) and 10 / 12 >= ADHERENCE_OK
+    assert mostly.adapter["verdict"] == "ok"
+    assert mostly.base["following"]["adherence"] == 0.5 and mostly.base["verdict"] == "weak"
+    assert "different pictures" not in " ".join(mostly.base["warnings"])  # varied: it reads the prompt, wrongly
+
+
+def test_home_assistant_one_action_for_every_request_is_weak(home_assistant_sample):
+    from freetune.sanity import judge
+
+    with open(home_assistant_sample) as f:
+        rows = [json.loads(line) for _, line in zip(range(8), f)]
+    references = [completion_text(r) for r in rows]
+    report = judge(rows, gens([references[0]] * 8), gens(references), task="home_assistant")
+    assert report.base["verdict"] == "collapsed"  # the identical text: collapse, which outranks weak
+    assert any("1 different actions" in w for w in report.base["warnings"])
+    assert report.adapter["verdict"] == "ok" and report.adapter_task["action_matches"] == 1.0
+
+
+def test_without_a_task_the_answers_are_compared_with_the_references():
+    from freetune.sanity import judge
+
+    words = ["kitchen", "garden", "window", "yellow", "planet", "rocket", "silver", "forest"]
+    rows = [{"prompt": f"Write {word} backwards.", "completion": word[::-1]} for word in words]
+    report = judge(rows, gens(["I think " + r["completion"] for r in rows]), gens([r["completion"] for r in rows]))
+    rows_by_label = {label: (base, adapter) for label, base, adapter in report.rows()}
+    assert rows_by_label["answer = reference"] == ("0%", "100%")
+    assert "does what was asked (greedy)" not in rows_by_label  # no task: nothing says what "asked" means
+    assert report.adapter["verdict"] == "ok"
+    same = judge(rows, gens(["nehctik"] * 4 + ["tesrof"] * 4), gens([r["completion"] for r in rows]))
+    assert any("2 different answers, where the references hold 8" in w for w in same.base["warnings"])

@@ -156,14 +156,16 @@ def action(**fields):
 def test_home_assistant_metrics_on_the_reference(home_assistant_sample):
     row = ha_row(home_assistant_sample)
     assert home_assistant.metrics(completion_text(row), row) == {
-        "valid_json": True, "schema_ok": True, "schema_violations": 0, "invented_entities": 0}
+        "valid_json": True, "schema_ok": True, "schema_violations": 0, "invented_entities": 0,
+        "service_matches": True, "entities_match": True, "data_matches": True, "action_matches": True}
 
 
 def test_home_assistant_metrics_invalid_json(home_assistant_sample):
     row = ha_row(home_assistant_sample)
     for output in ['{"domain": "light", "service": "turn_on"', "Sure! I turned on the light.", ""]:
         assert home_assistant.metrics(output, row) == {
-            "valid_json": False, "schema_ok": False, "schema_violations": 1, "invented_entities": 0}
+            "valid_json": False, "schema_ok": False, "schema_violations": 1, "invented_entities": 0,
+            "service_matches": False, "entities_match": False, "data_matches": False, "action_matches": False}
 
 
 def test_home_assistant_metrics_wrong_schema(home_assistant_sample):
@@ -184,8 +186,10 @@ def test_home_assistant_metrics_invented_entity(home_assistant_sample):
     row = ha_row(home_assistant_sample)
     assert "cover.kitchen_blinds" in home_assistant.context_entities(row)
     invented = action(domain="cover", service="open_cover", target={"entity_id": "cover.attic_blinds"}, data={})
-    assert home_assistant.metrics(invented, row) == {
+    result = home_assistant.metrics(invented, row)
+    assert {k: result[k] for k in ("valid_json", "schema_ok", "schema_violations", "invented_entities")} == {
         "valid_json": True, "schema_ok": True, "schema_violations": 0, "invented_entities": 1}
+    assert not result["action_matches"]
     several = action(domain="cover", service="open_cover",
                      target={"entity_id": ["cover.kitchen_blinds", "cover.attic_blinds", "cover.roof"]})
     assert home_assistant.metrics(several, row)["invented_entities"] == 2
@@ -195,7 +199,8 @@ def test_home_assistant_summarise(home_assistant_sample):
     row = ha_row(home_assistant_sample)
     results = [home_assistant.metrics(completion_text(row), row), home_assistant.metrics("nope", row)]
     assert home_assistant.summarise(results) == {
-        "outputs": 2, "valid_json": 0.5, "schema_ok": 0.5, "schema_violations": 0.5, "invented_entities": 0.0}
+        "outputs": 2, "valid_json": 0.5, "schema_ok": 0.5, "schema_violations": 0.5, "invented_entities": 0.0,
+        "service_matches": 0.5, "entities_match": 0.5, "data_matches": 0.5, "action_matches": 0.5}
 
 
 def test_home_assistant_audit_checks(home_assistant_sample):
@@ -225,3 +230,117 @@ def test_load_task():
     assert load_task("svg") is svg and load_task(home_assistant) is home_assistant and load_task(None) is None
     with pytest.raises(FreetuneError, match="svg, home_assistant"):
         load_task("sql")
+
+
+# ------------------------------------------------------------------------- SVG against the reference answer
+
+def sample_svg(size=100, background="#1e88e5", body='<circle cx="50" cy="50" r="30" fill="#e53935"/>'):
+    return (f'<svg {NS} width="{size}" height="{size}" viewBox="0 0 {size} {size}">'
+            f'<rect width="{size}" height="{size}" fill="{background}"/>{body}</svg>')
+
+
+ASKED = {"prompt": "Draw a red circle on a blue background, 100 pixels wide.", "completion": sample_svg()}
+
+
+def test_colour_family_names_colours_as_prompts_do():
+    assert [svg.colour_family(c) for c in ("#e53935", "red", "#f00", "rgb(255, 0, 0)")] == ["red"] * 4
+    assert [svg.colour_family(c) for c in ("#1e88e5", "navy", "#00897b", "#fdd835", "gold", "#8e24aa", "#d81b60",
+                                           "pink", "#757575", "black", "white")] == [
+        "blue", "blue", "teal", "yellow", "yellow", "purple", "pink", "pink", "gray", "black", "white"]
+    assert svg.colour_family("none") is None and svg.colour_family("url(#gradient)") is None
+
+
+def test_picture_reads_size_background_colours_and_shapes():
+    orange_square = '<rect x="4" y="4" width="9" height="9" style="fill:#fb8c00"/>'
+    drawn = svg.picture("Sure: " + sample_svg(64, "black", orange_square))
+    assert drawn == svg.Picture(size=(64.0, 64.0), background="black", colours=frozenset({"black", "orange"}),
+                                shapes=(("rect", 2),))
+    # The size from the viewBox alone; a first element that is not a full-canvas rect is no background.
+    assert svg.picture(f'<svg {NS} viewBox="0 0 30 20"><circle r="3" fill="red"/></svg>') == svg.Picture(
+        size=(30.0, 20.0), background=None, colours=frozenset({"red"}), shapes=(("circle", 1),))
+    assert svg.picture("<svg><rect></svg>") is None and svg.picture("no picture") is None
+
+
+def test_the_reference_answer_follows_its_prompt():
+    result = svg.metrics(ASKED["completion"], ASKED)
+    assert result["follows_prompt"] and result["shapes_match"] and result["size_matches"]
+    assert result["image_similarity"] == pytest.approx(1.0) and result["shape_similarity"] == 1.0
+
+
+def test_the_asked_colours_in_other_words_still_follow_the_prompt():
+    # Pure red and CSS blue for the reference's #e53935 and #1e88e5, another radius: what was asked, drawn anew.
+    answer = sample_svg(background="blue", body='<circle cx="50" cy="50" r="20" fill="#ff0000"/>')
+    result = svg.metrics(answer, ASKED)
+    assert result["follows_prompt"] and result["colours_match"] and result["shapes_match"]
+    assert 0.7 < result["image_similarity"] < 1.0
+
+
+@pytest.mark.parametrize("answer, failed", [
+    (sample_svg(size=128), {"size_matches"}),                                  # another size
+    (sample_svg(background="#43a047"), {"background_matches", "colours_match"}),  # green, not blue, behind
+    (sample_svg(background="#e53935", body='<circle cx="50" cy="50" r="30" fill="#1e88e5"/>'),
+     {"background_matches"}),                                                 # the colours swapped
+    (sample_svg(body='<circle cx="50" cy="50" r="30" fill="#e53935"/><rect width="5" height="5" fill="gold"/>'),
+     {"colours_match", "shapes_match"}),                                      # something extra, in gold
+])
+def test_an_answer_that_misses_what_was_asked_does_not_follow_the_prompt(answer, failed):
+    result = svg.metrics(answer, ASKED)
+    assert result["well_formed_xml"] and result["renders"]  # the format is fine: only the task metrics see it
+    assert {name for name in ("size_matches", "background_matches", "colours_match", "shapes_match")
+            if not result[name]} == failed
+    assert result["follows_prompt"] is False
+
+
+def test_an_answer_without_a_picture_fails_every_reference_metric():
+    result = svg.metrics("I would draw a red circle.", ASKED)
+    assert not any(result[k] for k in ("size_matches", "background_matches", "colours_match", "follows_prompt"))
+    assert result["image_similarity"] == 0.0
+
+
+def test_no_reference_no_reference_metrics_and_summaries_skip_what_is_missing():
+    assert "follows_prompt" not in svg.metrics(GOOD_SVG, {"prompt": "Draw.", "completion": "not an svg"})
+    summary = svg.summarise([svg.metrics(ASKED["completion"], ASKED), svg.metrics(GOOD_SVG, {}),
+                             svg.metrics(sample_svg(size=128), ASKED)])
+    assert summary["outputs"] == 3 and summary["well_formed_xml"] == 1.0
+    assert summary["follows_prompt"] == 0.5  # of the two outputs that had a reference
+
+
+def test_signature_is_the_picture_not_the_text():
+    moved = sample_svg(body='<circle cx="40" cy="60" r="25" fill="#e53935"/>')
+    assert svg.signature(moved) == svg.signature(ASKED["completion"]) != svg.signature(sample_svg(size=64))
+
+
+# ------------------------------------------------------------------ Home Assistant against the reference action
+
+def test_home_assistant_action_against_the_reference(home_assistant_sample):
+    row = read_rows(home_assistant_sample, 1)[0]
+    action = json.loads(completion_text(row))
+    domain = action["domain"]
+    other_entity = next(e for e in home_assistant.context_entities(row)
+                        if e.startswith(domain + ".") and e != action["target"]["entity_id"])
+
+    def judged(**changes):
+        return home_assistant.metrics(json.dumps({**action, **changes}), row)
+
+    assert judged()["action_matches"]
+    # Key order, a missing empty data object and a one-element entity list are the same action.
+    same = {"service": action["service"], "domain": domain, "target": {"entity_id": [action["target"]["entity_id"]]}}
+    if not action["data"]:
+        assert home_assistant.metrics(json.dumps(same), row)["action_matches"]
+    wrong_entity = judged(target={"entity_id": other_entity})
+    assert wrong_entity["service_matches"] and not wrong_entity["entities_match"]
+    assert not wrong_entity["action_matches"] and wrong_entity["schema_ok"]  # valid, known, and still wrong
+    assert not judged(data={"brightness_pct": 7})["data_matches"]
+    assert not judged(service="toggle")["service_matches"]
+    assert not home_assistant.metrics("Turning it on!", row)["action_matches"]
+
+
+def test_any_task_exact_match_and_similarity():
+    from freetune.tasks import reference_metrics
+
+    assert reference_metrics("The word  red has 3 letters.", "the word red has 3 letters.") == {
+        "exact_match": True, "similarity": 1.0}
+    close, far = reference_metrics("The word red has 4 letters.", "The word red has 3 letters."), \
+        reference_metrics("Paris.", "The word red has 3 letters.")
+    assert not close["exact_match"] and close["similarity"] > 0.9 > 0.3 > far["similarity"]
+    assert reference_metrics("anything", None) == {}

@@ -105,20 +105,62 @@ AUDIT_CHECKS = {
 }
 
 
+def canonical_action(action: object) -> tuple | None:
+    """(domain, service, sorted entity ids, data) of an action, in a form two equal actions share: entity order
+    and a missing or empty data object do not matter, 50 and 50.0 are one number. None when it is no action."""
+    if not isinstance(action, dict) or schema_violations(action):
+        return None
+    data = action.get("data") or {}
+    numbers = {k: float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v for k, v in data.items()}
+    return (action["domain"], action["service"], tuple(sorted(named_entities(action))),
+            json.dumps(numbers, sort_keys=True))
+
+
+def signature(output: str) -> tuple | None:
+    """The action an answer asks for, for counting how many different actions an adapter gives across prompts."""
+    return canonical_action(parse_action(output)[0])
+
+
+ADHERENCE = "action_matches"
+ADHERENCE_MEANS = "the reference's action: service, entities and data"
+SIGNATURE_MEANS = "actions"
+
+
+def reference_metrics(output: str, reference: str | None) -> dict[str, bool]:
+    """The answer against the reference action: service_matches (domain and service), entities_match, data_matches
+    and action_matches (all three). Empty when the reference is no valid action."""
+    wanted = signature(reference) if reference is not None else None
+    if wanted is None:
+        return {}
+    given = signature(output) or (None, None, None, None)
+    service, entities, data = given[:2] == wanted[:2], given[2] == wanted[2], given[3] == wanted[3]
+    return {"service_matches": service, "entities_match": entities, "data_matches": data,
+            ADHERENCE: service and entities and data}
+
+
 def metrics(output: str, row: dict) -> dict[str, bool | int]:
-    """valid_json, schema_ok, schema_violations (count), invented_entities (count) for one generated output.
+    """valid_json, schema_ok, schema_violations (count), invented_entities (count) for one generated output,
+    and, when the row has a reference action, whether the answer asks for the same (reference_metrics).
 
     An answer that is not JSON counts as one schema violation (it is no action at all) and invents nothing.
     """
     action, error = parse_action(output)
     if error is not None:
-        return {"valid_json": False, "schema_ok": False, "schema_violations": 1, "invented_entities": 0}
-    problems = schema_violations(action)
-    invented = set(named_entities(action)) - context_entities(row)
-    return {"valid_json": True, "schema_ok": not problems, "schema_violations": len(problems),
-            "invented_entities": len(invented)}
+        result = {"valid_json": False, "schema_ok": False, "schema_violations": 1, "invented_entities": 0}
+    else:
+        problems = schema_violations(action)
+        invented = set(named_entities(action)) - context_entities(row)
+        result = {"valid_json": True, "schema_ok": not problems, "schema_violations": len(problems),
+                  "invented_entities": len(invented)}
+    try:
+        reference = completion_text(row)
+    except (KeyError, TypeError):  # a row without an answer has nothing to compare with
+        reference = None
+    result.update(reference_metrics(output, reference))
+    return result
 
 
 def summarise(results: list[dict]) -> dict[str, float]:
-    """Shares of valid JSON and schema-conforming answers; schema violations and invented entities per answer."""
+    """Shares of valid JSON and schema-conforming answers, and of answers asking for the reference's service,
+    entities, data and whole action; schema violations and invented entities per answer."""
     return summarise_metrics(results)
