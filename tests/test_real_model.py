@@ -59,3 +59,50 @@ def test_the_audit_trains_the_fixtures_end_of_turn_and_flags_the_ggufs_own_eos(s
     _, report, _ = audit.audit_and_clean(rows, tokenizer=tokenizer, max_length=512, auto_clean=True,
                                          accept_problems=True)
     assert report.finding("eos_not_in_labels").count == 8
+
+
+# A task the base model cannot do as asked but can learn from 76 short rows: an SVG element of the asked colour and
+# shape, in one exact form. Held-out prompts are colour/shape pairs never trained on, so the adapter has to follow
+# the prompt, not recall a row.
+COLOURS = ["red", "blue", "green", "yellow", "purple", "orange", "black", "white", "pink", "brown", "grey", "teal",
+           "navy", "gold"]
+SHAPES = ["circle", "square", "triangle", "star", "heart", "hexagon"]
+HELD_OUT = [("teal", "star"), ("gold", "circle"), ("navy", "heart"), ("pink", "square"), ("brown", "triangle"),
+            ("grey", "hexagon"), ("orange", "star"), ("purple", "circle")]
+
+
+def _shape_row(colour: str, shape: str) -> dict:
+    return {"instruction": f"Draw a {colour} {shape}.", "output": f'<svg><{shape} fill="{colour}"/></svg>'}
+
+
+@pytest.mark.slow
+def test_the_real_model_learns_to_do_what_unseen_prompts_ask_through_the_notebook(tmp_path, smollm2_dir):
+    # tiny_4gb's Colab notebook on the real model (4-bit base, LoRA, TRL), 12 steps at lr 1e-3 on a CPU, then the
+    # base and the adapter answer the 8 held-out prompts greedily. Measured: base 0% exact, adapter 100% (20 steps;
+    # held-out loss 2.71 -> 0.05 by step 8). Cost: ~3-4 min on an idle 2-core machine.
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from datasets import Dataset
+
+    from freetune import sanity
+
+    rows = [_shape_row(c, s) for c in COLOURS for s in SHAPES if (c, s) not in HELD_OUT]
+    (tmp_path / "shapes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    settings = {"model_id": str(smollm2_dir), "dataset": "shapes.jsonl", "chat_template": "chatml",
+                "system_prompt": "", "learning_rate": "1e-3", "max_steps": "12", "micro_batch": "4", "grad_accum": "1",
+                "max_length": "64", "eval_rows": "4", "eval_steps": "0", "sanity_rows": "2", "max_new_tokens": "16",
+                "save_steps": "12"}
+    command = [sys.executable, str(Path(__file__).parents[1] / "scripts" / "run_recipe.py"), "tiny_4gb", "--embedded",
+               "--out", "out"] + [arg for name, value in settings.items() for arg in ("-p", name, value)]
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=1800)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    record = json.loads((tmp_path / "out" / "tiny_4gb-colab.json").read_text())
+    assert record["status"] == "ok" and record["steps"] == 12
+
+    held_out = [dict(r) for r in data.normalize(Dataset.from_list([_shape_row(c, s) for c, s in HELD_OUT]))]
+    report = sanity.compare(smollm2_dir, record["adapter"], held_out, seeds=(), max_new_tokens=16)
+    assert report.base_text["exact_match"] <= 0.25, report.base_generations
+    assert report.adapter_text["exact_match"] >= 0.75, report.adapter_generations
