@@ -521,7 +521,7 @@ def test_the_plan_picks_the_fast_kernels_on_a_gpu_and_plain_ones_on_a_cpu():
     assert (cpu.lora_kernel, cpu.compile, cpu.optimizer) == ("peft", False, "adamw_torch")
 
     # A big adapter on a small card: fused AdamW's fp32 state is too large a share; the 8-bit one is kept.
-    small = make_plan(gpu("GTX 1650", (7, 5), 3.8), model_shape="qwen3-8b", lora_rank=64)
+    small = make_plan(gpu("GTX 1650", (7, 5), 3.8), model_shape="qwen2.5-1.5b", lora_rank=64)
     assert small.optimizer == "paged_adamw_8bit" and "over 2%" in small.reasons["optimizer"]
 
     off = make_plan(gpu("Tesla T4", (7, 5), 14.7), model_shape="qwen2.5-1.5b", compile="off",

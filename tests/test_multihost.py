@@ -214,13 +214,15 @@ def test_the_plan_shards_with_fsdp_when_one_copy_per_gpu_does_not_fit():
     assert tight.memory.settings["shards"] == 2 and tight.memory.fits, tight.memory.breakdown()
     assert "fsdp x 2" in tight.table()
     one_t4 = Hardware(gpus=[GPU("Tesla T4", (7, 5), 14.7)], arch_list=["sm_75"])
-    one_gpu = make_plan(one_t4, model_shape="qwen3-8b", memory_budget_gib=6)
-    assert one_gpu.layout == "single" and one_gpu.warnings  # nothing to shard over: it says it does not fit
+    # Nothing to shard over, and even one short row does not fit 6 GiB: refused before anything is downloaded.
+    with pytest.raises(FreetuneError, match=r"cannot train on this GPU.*set by memory_budget_gib"):
+        make_plan(one_t4, model_shape="qwen3-8b", memory_budget_gib=6)
     # One process may keep the 1.16 GiB embedding table in host RAM (DDP's ranks may not): 7 GiB then fits one GPU.
     seven = make_plan(one_t4, model_shape="qwen3-8b", memory_budget_gib=7)
     assert seven.layout == "single" and seven.embeddings_on_host and seven.memory.fits and not seven.warnings
-    forced = make_plan(t4x2, model_shape="qwen3-8b", layout="ddp", memory_budget_gib=7)
-    assert forced.layout == "ddp" and forced.warnings  # kept as asked, with the warning that it does not fit
+    # DDP forced where only FSDP fits (each rank keeps the whole embedding table on its GPU): refused up front.
+    with pytest.raises(FreetuneError, match=r"cannot train on this GPU.*set by memory_budget_gib"):
+        make_plan(t4x2, model_shape="qwen3-8b", layout="ddp", memory_budget_gib=7)
     with pytest.raises(FreetuneError, match="layout must be one of"):
         make_plan(t4x2, layout="zero3")
 

@@ -100,9 +100,9 @@ def test_the_real_model_learns_to_do_what_unseen_prompts_ask_through_the_noteboo
     result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     record = json.loads((tmp_path / "out" / "tiny_4gb-colab.json").read_text())
-    assert record["status"] == "ok" and record["steps"] == 12
+    assert record["status"] == "ok" and record["training"]["steps"] == 12
 
     held_out = [dict(r) for r in data.normalize(Dataset.from_list([_shape_row(c, s) for c, s in HELD_OUT]))]
-    report = sanity.compare(smollm2_dir, record["adapter"], held_out, seeds=(), max_new_tokens=16)
+    report = sanity.compare(smollm2_dir, record["training"]["adapter"], held_out, seeds=(), max_new_tokens=16)
     assert report.base_text["exact_match"] <= 0.25, report.base_generations
     assert report.adapter_text["exact_match"] >= 0.75, report.adapter_generations
