@@ -10,15 +10,16 @@ reshape such a layer at all. Where the native kernel is right (AVX2 builds, or r
 
 `ensure_correct_dequantize()` runs the check once (a few milliseconds) and, where it fails, registers a pure-PyTorch
 dequantisation as bitsandbytes' CPU kernel for every shape (the CUDA kernels are untouched) and says so once.
-`freetune.overrides.keep_cpu_inference_layout(model)` keeps such layers out of the broken inference repacking.
+`freetune.reach.peft_bnb.keep_cpu_inference_layout(model)` keeps such layers out of the broken inference repacking.
 """
 
 from __future__ import annotations
 
 import math
 
-from freetune import overrides
+from freetune.distributed import print0
 from freetune.errors import FreetuneError, reason
+from freetune.reach import peft_bnb as peft_bnb_reach
 
 _CHECKED: dict = {}  # "replaced": whether freetune's kernel is in place; set once a correct kernel holds
 # A weight whose rows are 2.5 blocks long: the condition the native kernel gets wrong.
@@ -81,8 +82,6 @@ def ensure_correct_dequantize() -> bool:
     correct, why = check_dequantize()
     if not correct:
         replace_dequantize(dequantize_4bit_reference)
-        from freetune.distributed import print0
-
         print0(f"bitsandbytes {bitsandbytes.__version__}'s CPU 4-bit dequantisation is wrong on this CPU for layers "
                f"whose input size is not a multiple of 64 ({why}): freetune dequantises 4-bit weights on the CPU in "
                f"PyTorch instead. GPUs are not affected.")
@@ -97,7 +96,7 @@ def replace_dequantize(kernel) -> None:
 
     _CHECKED.clear()  # whatever happens below, the kernel in place is no longer the one checked
     try:
-        overrides.register_cpu_dequantize(kernel)
+        peft_bnb_reach.register_cpu_dequantize(kernel)
     except Exception as exc:  # torch < 2.8 has no Library.impl(..., allow_override=True)
         raise FreetuneError(
             f"freetune could not replace bitsandbytes' CPU 4-bit dequantisation, which is wrong on this CPU, under "

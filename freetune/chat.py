@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 
 from freetune.data import prompt_messages
+from freetune.reach.ipython import kernel_allows_stdin
 from freetune.resources import release_memory
 
 # The Modelfile's defaults too (freetune.export.write_modelfile).
@@ -31,7 +32,7 @@ def interactive() -> bool:
         shell = None
     kernel = getattr(shell, "kernel", None)
     if kernel is not None:
-        return bool(getattr(kernel, "_allow_stdin", False))
+        return kernel_allows_stdin(kernel)
     return sys.stdin is not None and sys.stdin.isatty()
 
 

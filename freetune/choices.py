@@ -14,15 +14,11 @@ The precision policy, and why:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from freetune.errors import FreetuneError
 from freetune.fast import (EFFICIENT_BACKENDS, POLICY_BACKENDS, VARLEN_ATTENTION, VARLEN_KERNEL_NAMES, varlen_backend,
                            varlen_works)
+from freetune.hardware import Hardware
 from freetune.memory import TILE_TOKENS, ModelShape, embedding_bytes, estimate, shape_of
-
-if TYPE_CHECKING:
-    from freetune.preflight import Hardware
 
 POLICIES = ("turing", "ampere")
 LAYOUTS = ("auto", "single", "ddp", "fsdp")

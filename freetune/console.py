@@ -17,6 +17,7 @@ import sys
 import warnings
 
 from freetune.errors import FreetuneError
+from freetune.reach import ipython as ipython_reach
 
 # Read by datasets and huggingface_hub when they are imported (transformers follows the Hub's switch).
 PROGRESS_BAR_SWITCHES = ("HF_DATASETS_DISABLE_PROGRESS_BARS", "HF_HUB_DISABLE_PROGRESS_BARS")
@@ -43,6 +44,10 @@ def show_freetune_errors_as_messages() -> bool:
     shell = ipython.get_ipython() if ipython is not None else None
     if shell is None or os.environ.get("FREETUNE_TRACEBACK") == "1":
         return False
+    why_not = ipython_reach.can_show_error_output(shell)
+    if why_not:  # IPython's own display stays: the whole traceback, the message at its end
+        warnings.warn(f"FreetuneError will show with its whole traceback: {why_not}", stacklevel=2)
+        return False
     shell.set_custom_exc((FreetuneError,), _show_message)
     return True
 
@@ -54,7 +59,7 @@ def _show_message(shell, etype, value, tb, tb_offset=None):
         sys.last_exc = value
     stb = [f"\x1b[1;31m{etype.__name__}\x1b[0m: {value}",
            "\x1b[2m(freetune stopped here; %tb shows where it was raised)\x1b[0m"]
-    shell._showtraceback(etype, value, stb)  # an error output: the cell fails as with any exception
+    ipython_reach.show_error_output(shell, etype, value, stb)  # the cell fails as with any exception
     return stb
 
 

@@ -35,6 +35,9 @@ from __future__ import annotations
 
 import inspect
 
+from freetune.errors import FreetuneError
+from freetune.reach.torch import efficient_attention_backward, efficient_attention_forward, flash_attention_forward
+
 VARLEN_ATTENTION = "freetune_varlen"  # the name registered with transformers' AttentionInterface
 
 
@@ -85,8 +88,7 @@ def _varlen_call(q, k, v, cu_seq, max_len: int, scale, backend: str = "flash"):
     import torch
 
     if backend == "flash":
-        return torch.ops.aten._flash_attention_forward(q, k, v, cu_seq, cu_seq, max_len, max_len, 0.0, True, False,
-                                                       scale=scale)[0]
+        return flash_attention_forward(q, k, v, cu_seq, cu_seq, max_len, max_len, 0.0, True, False, scale=scale)[0]
     if backend in EFFICIENT_BACKENDS:
         return _efficient_op()(q, k, v, cu_seq, max_len, scale, backend == "efficient")
     fn, params = _VARLEN["fn"], _VARLEN["params"]  # set by the probe, which ran before any call of this backend
@@ -162,8 +164,8 @@ def _efficient_op():
             qp, kp, vp = q[:, qs], repeated(k[:, ks], groups, strided), repeated(v[:, ks], groups, strided)
             # (1, tokens, heads, dim), as the kernel takes batches; custom_mask_type 1: causal from each row's start.
             # The logsumexp is what the backward needs; the dropout seeds are not (no dropout in attention).
-            out, lse = torch.ops.aten._efficient_attention_forward(qp[None], kp[None], vp[None], None, cu, cu,
-                                                                   max_len, max_len, 0.0, 1, True, scale=scale)[:2]
+            out, lse = efficient_attention_forward(qp[None], kp[None], vp[None], None, cu, cu, max_len, max_len, 0.0,
+                                                   1, True, scale=scale)[:2]
             outs.append(out[0])
             lses.append(lse)
         if len(outs) == 1:
@@ -186,7 +188,7 @@ def _efficient_op():
         unused = torch.empty((), dtype=torch.long)  # dropout's seed and offset, read only when dropout_p > 0
         grad = grad.contiguous()
         if q.shape[1] == k.shape[1]:
-            dq, dk, dv, _ = torch.ops.aten._efficient_attention_backward(
+            dq, dk, dv, _ = efficient_attention_backward(
                 grad[None], q[None], k[None], v[None], None, out[None], cu, cu, max_len, max_len, lse, 0.0, unused,
                 unused, 1, False, scale=scale)
             return dq[0].contiguous(), dk[0].contiguous(), dv[0].contiguous()
@@ -201,7 +203,7 @@ def _efficient_op():
             qp, gp, outp, lp = q[:, qs], grad[:, qs], out[:, qs].contiguous(), lse[:, qs]
             if not strided:
                 qp, gp = qp.contiguous(), gp.contiguous()
-            dqp, dkp, dvp, _ = torch.ops.aten._efficient_attention_backward(
+            dqp, dkp, dvp, _ = efficient_attention_backward(
                 gp[None], qp[None], kp[None], vp[None], None, outp[None], cu, cu, max_len, max_len, lp, 0.0, unused,
                 unused, 1, False, scale=scale)
             dqs.append(dqp[0])
@@ -259,8 +261,6 @@ def refuse_what_varlen_drops(module, longest_row: int, kwargs: dict) -> None:
     aside for such models (freetune.choices.varlen_why_not); this is the check that nothing else got here."""
     window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
     if softcap or (window and window < longest_row):
-        from freetune.errors import FreetuneError
-
         what = f"soft-capped logits ({softcap})" if softcap else f"a sliding window of {window} tokens"
         raise FreetuneError(f"{type(module).__name__} asks for {what}, which freetune's variable-length attention "
                             f"cannot honour; plan this model with freetune.preflight.make_plan(model_shape=<its "

@@ -33,11 +33,16 @@ tokens/s. The plan takes it only where even one row of max_length would not fit 
 
 from __future__ import annotations
 
-from freetune import kernels, overrides
+from freetune import kernels
+from freetune.reach import transformers as transformers_reach
+from freetune.reach.torch import replace_forward, stash, stashed
 
+# What a fused MLP carries (freetune.reach.torch.stash): that it is fused, its kernel and its chunk of tokens.
 FUSED_MLP_ATTR = "_freetune_fused_mlp"
-# The architectures (config.json's model_type) whose MLP class is one of overrides.SWIGLU_MLPS: separate gate, up and
-# down projections with SiLU. The plan takes the fused MLP only for these (freetune.choices.mlp_why_not): for any other
+MLP_KERNEL_ATTR = "_freetune_mlp_kernel"
+CHUNK_ATTR = "_freetune_chunk"
+# The architectures (config.json's model_type) whose MLP class is one of freetune.reach.transformers.SWIGLU_MLPS:
+# separate gate, up and down projections with SiLU. The plan takes the fused MLP only for these (freetune.choices.mlp_why_not): for any other
 # (Phi-3's fused gate_up_proj, Gemma's GELU, a mixture of experts) it would fuse nothing, so it must not count its
 # memory saving either.
 MLP_MODEL_TYPES = {"llama": "LlamaMLP", "qwen2": "Qwen2MLP", "qwen3": "Qwen3MLP", "mistral": "MistralMLP"}
@@ -474,9 +479,9 @@ def _fused_mlp_forward(self, x, *args, **kwargs):
     ps = {p["dropout_p"] for p in projections if p is not None}
     if args or kwargs or any(p is None for p in projections) or len(ps) != 1:
         return type(self).forward(self, x, *args, **kwargs)
-    if self._freetune_mlp_kernel == "traced":
+    if stashed(self, MLP_KERNEL_ATTR) == "traced":
         return traced_mlp(x, projections, ps.pop())
-    return qlora_mlp(x, projections, ps.pop(), self._freetune_chunk)
+    return qlora_mlp(x, projections, ps.pop(), stashed(self, CHUNK_ATTR))
 
 
 def use_fused_mlp(model, chunk: int = CHUNK_TOKENS, kernel: str = "chunked") -> tuple[int, int]:
@@ -486,20 +491,21 @@ def use_fused_mlp(model, chunk: int = CHUNK_TOKENS, kernel: str = "chunked") -> 
     and anything else the fused one does not do."""
     fused = seen = 0
     for module in model.modules():
-        why = overrides.fusable_mlp(module)
+        why = transformers_reach.fusable_mlp(module)
         if why is None:
             continue
         seen += 1
-        if why or not all(getattr(getattr(module, n), kernels.FUSED_ATTR, False)
+        if why or not all(stashed(getattr(module, n), kernels.FUSED_ATTR, False)
                           for n in ("gate_proj", "up_proj", "down_proj")):
             continue
         if kernel not in ("chunked", "traced"):
             raise ValueError(f"MLP kernel {kernel!r}: 'chunked' or 'traced'")
-        module._freetune_chunk, module._freetune_mlp_kernel = int(chunk), kernel
+        stash(module, CHUNK_ATTR, int(chunk))
+        stash(module, MLP_KERNEL_ATTR, kernel)
         if kernel == "traced":
             _traced_class()  # now, eagerly: the compiled layers only read it
-        if not getattr(module, FUSED_MLP_ATTR, False):
-            overrides.replace_forward(module, _fused_mlp_forward)
-            setattr(module, FUSED_MLP_ATTR, True)
+        if not stashed(module, FUSED_MLP_ATTR, False):
+            replace_forward(module, _fused_mlp_forward)
+            stash(module, FUSED_MLP_ATTR, True)
         fused += 1
     return fused, seen

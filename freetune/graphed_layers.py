@@ -42,6 +42,12 @@ from __future__ import annotations
 import contextlib
 from functools import partial
 
+from freetune import kernels
+from freetune.batching import AlignedPaddingFree, most_rows
+from freetune.distributed import print0
+from freetune.reach.torch import foreach_copy_, free_cublas_workspaces, mark_static, stash, stashed
+from freetune.reach.transformers import replace_checkpoint_function
+
 ROW_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k")  # row boundaries (int32, rows + 1), padded with empty rows
 LENGTH_KEYS = ("max_length_q", "max_length_k")  # longest row: the graphs take max_length, what any row can reach
 
@@ -54,12 +60,10 @@ def decoder_layers(model) -> list:
 def lora_pairs(layer) -> list | None:
     """The 16-bit (A, B) copies of `layer`'s fused LoRA projections this forward (freetune.kernels), flattened in
     module order; None where a projection has none (its weights are not cast once per forward: not graphed)."""
-    from freetune import kernels
-
     pairs = []
     for module in layer.modules():
-        if getattr(module, kernels.FUSED_ATTR, False):
-            cast = getattr(module, kernels.ADAPTER_16BIT_ATTR, None)
+        if stashed(module, kernels.FUSED_ATTR, False):
+            cast = stashed(module, kernels.ADAPTER_16BIT_ATTR)
             if cast is None:
                 return None
             pairs.extend(cast)
@@ -113,19 +117,15 @@ class GraphedLayers:
 
     def install(self) -> int:
         """Make every checkpointed decoder layer call this checkpoint; returns how many."""
-        from freetune import overrides
-
         for i, layer in enumerate(self.layers):
             if getattr(layer, "gradient_checkpointing", False):
-                self.replaced[i] = overrides.replace_checkpoint_function(layer, partial(self._checkpoint, i))
+                self.replaced[i] = replace_checkpoint_function(layer, partial(self._checkpoint, i))
         return len(self.replaced)
 
     def remove(self) -> None:
         """Undo install and free the buffers and graphs."""
-        from freetune import overrides
-
         for i, func in self.replaced.items():
-            overrides.replace_checkpoint_function(self.layers[i], func)
+            replace_checkpoint_function(self.layers[i], func)
         self.replaced = {}
         self.shapes, self.hidden, self.grad, self.stored, self.pool = {}, None, None, [], None
         self.pairs = {}
@@ -222,9 +222,9 @@ class GraphedLayers:
             static = self.pairs[i] = [(p.detach() if self.fixed_pairs else p.detach().clone()).requires_grad_(True)
                                       for p in pairs]
             for t in static:  # as cast_adapters_once_per_forward marks its copies: fixed sizes, no specialisation
-                torch._dynamo.mark_static(t)
+                mark_static(t)
         if any(a.data_ptr() != b.data_ptr() for a, b in zip(static, pairs)):
-            torch._foreach_copy_(static, [p.detach() for p in pairs])
+            foreach_copy_(static, [p.detach() for p in pairs])
         on_gpu = hidden.is_cuda
         if on_gpu:
             current = torch.cuda.current_stream()
@@ -311,8 +311,6 @@ class GraphedLayers:
             shape.failed, shape.failed_at = f"{type(error).__name__}: {error}", shape.batches
             shape.failures += 1
             torch.cuda.synchronize()
-            from freetune.distributed import print0
-
             then = "tried once more at a later batch" if shape.failures == 1 else "run without graphs from now on"
             print0(f"CUDA graphs: recording layer {i} failed "
                    f"({shape.failed}); batches of this token count are {then}.")
@@ -348,23 +346,21 @@ class GraphedLayers:
         # Each LoRA weight's gradient written over the weight's 16-bit copy, which this layer no longer reads: no
         # buffer of their own (the weights of every layer would be held twice).
         with torch.no_grad():
-            torch._foreach_copy_([p.detach() for p in pairs],
-                                 [g if g is not None else torch.zeros_like(p) for g, p in zip(got, pairs)])
+            foreach_copy_([p.detach() for p in pairs],
+                          [g if g is not None else torch.zeros_like(p) for g, p in zip(got, pairs)])
 
     @contextlib.contextmanager
     def _reading(self, i: int, pairs):
         """Layer i's fused projections read `pairs` (this token count's buffers) as their 16-bit LoRA weights."""
-        from freetune import kernels
-
-        modules = [m for m in self.layers[i].modules() if getattr(m, kernels.FUSED_ATTR, False)]
-        kept = [getattr(m, kernels.ADAPTER_16BIT_ATTR) for m in modules]
+        modules = [m for m in self.layers[i].modules() if stashed(m, kernels.FUSED_ATTR, False)]
+        kept = [stashed(m, kernels.ADAPTER_16BIT_ATTR) for m in modules]
         for j, module in enumerate(modules):
-            setattr(module, kernels.ADAPTER_16BIT_ATTR, (pairs[2 * j], pairs[2 * j + 1]))
+            stash(module, kernels.ADAPTER_16BIT_ATTR, (pairs[2 * j], pairs[2 * j + 1]))
         try:
             yield
         finally:
             for module, cast in zip(modules, kept):
-                setattr(module, kernels.ADAPTER_16BIT_ATTR, cast)
+                stash(module, kernels.ADAPTER_16BIT_ATTR, cast)
 
 
 def _same(t):
@@ -451,11 +447,9 @@ def unfused_trainable(model) -> list[str]:
     """Names of the decoder layers' trainable parameters that belong to no fused LoRA layer: the graphs' backward
     takes the gradients of the layer's input and of its fused layers' LoRA weights only (a mixture of experts' LoRA
     through peft's ParamWrapper, say, would get none)."""
-    from freetune import kernels
-
     names = []
     for i, layer in enumerate(decoder_layers(model)):
-        fused = {id(p) for m in layer.modules() if getattr(m, kernels.FUSED_ATTR, False) for p in m.parameters()}
+        fused = {id(p) for m in layer.modules() if stashed(m, kernels.FUSED_ATTR, False) for p in m.parameters()}
         names += [f"layer {i} {n}" for n, p in layer.named_parameters() if p.requires_grad and id(p) not in fused]
     return names
 
@@ -463,8 +457,6 @@ def unfused_trainable(model) -> list[str]:
 def pad_batches(trainer, plan) -> None:
     """Pad the trainer's padding-free batches to a multiple of plan.cuda_graph_tokens tokens, in rows of at most
     max_length (batching.AlignedPaddingFree): a few token counts, each recorded once."""
-    from freetune.batching import AlignedPaddingFree
-
     collator = trainer.data_collator
     if not isinstance(collator, AlignedPaddingFree):
         raise TypeError(f"CUDA graphs need freetune's padding-free collator, not {type(collator).__name__}")
@@ -475,10 +467,6 @@ def callback(plan):
     """A TrainerCallback that installs GraphedLayers when training begins (after the Trainer turned checkpointing on)
     and removes them when it ends, and runs the training on a CUDA stream of its own meanwhile (module docstring)."""
     from transformers import TrainerCallback
-
-    from freetune import overrides
-    from freetune.batching import most_rows
-    from freetune.distributed import print0
 
     class CudaGraphs(TrainerCallback):
         graphed = stream = None
@@ -495,7 +483,7 @@ def callback(plan):
             self.stream.wait_stream(torch.cuda.current_stream())  # after the model's loading
             torch.cuda.set_stream(self.stream)
             # cuBLAS keeps a workspace per stream: the default stream's, made while loading, is not needed now.
-            overrides.free_cublas_workspaces()
+            free_cublas_workspaces()
             count = self.graphed.install()
             if count != len(self.graphed.layers):  # a layer the Trainer did not checkpoint keeps its own inputs
                 self.remove()

@@ -15,7 +15,13 @@ export see the model as loaded.
 
 from __future__ import annotations
 
-HOME_ATTR = "_freetune_embeddings_home"  # on the embedding module: the GPU its output goes to while on the host
+from freetune.distributed import print0
+from freetune.reach.torch import replace_forward, restore_forward, stash, stashed, unstash
+
+# What an embedding whose table is on the host carries (freetune.reach.torch.stash): the GPU its output goes to, and
+# Gemma-3's scale of its rows (None for the others).
+HOME_ATTR = "_freetune_embeddings_home"
+HOST_SCALE_ATTR = "_freetune_host_scale"
 
 
 def to_host(model) -> int:
@@ -26,7 +32,7 @@ def to_host(model) -> int:
 
     embedding = model.get_input_embeddings()
     weight = getattr(embedding, "weight", None)
-    if (weight is None or weight.device.type != "cuda" or getattr(embedding, HOME_ATTR, None) is not None
+    if (weight is None or weight.device.type != "cuda" or stashed(embedding, HOME_ATTR) is not None
             or getattr(embedding, "max_norm", None) is not None or _shares_head(model, weight)
             or why_not(embedding)):
         return 0
@@ -61,8 +67,6 @@ def at_train_begin():
     """A TrainerCallback that moves the table to the host when training begins (to_host) and says so."""
     from transformers import TrainerCallback
 
-    from freetune.distributed import print0
-
     class EmbeddingsToHost(TrainerCallback):
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             moved = to_host(model)
@@ -79,7 +83,7 @@ def at_train_begin():
 def to_gpu(model) -> bool:
     """Undo `to_host`: the table back on its GPU, the module's own forward again. Returns whether anything moved."""
     embedding = model.get_input_embeddings()
-    home = getattr(embedding, HOME_ATTR, None)
+    home = stashed(embedding, HOME_ATTR)
     if home is None:
         return False
     embedding.weight.data = embedding.weight.data.to(home)
@@ -90,22 +94,18 @@ def to_gpu(model) -> bool:
 def attach(embedding, home) -> None:
     """Give an embedding module whose table is on the host the forward that looks up there and returns the rows on
     `home` (the GPU the decoder runs on). Split from to_host so that a CPU test can run the same forward."""
-    from freetune import overrides
-
-    setattr(embedding, HOME_ATTR, home)
+    stash(embedding, HOME_ATTR, home)
     scale = _scale_of(embedding)
     # Gemma-3's scale as its own forward applies it, in the table's dtype; kept on the host, with the rows.
-    embedding._freetune_host_scale = None if scale is None else scale.to("cpu", embedding.weight.dtype)
-    overrides.replace_forward(embedding, _host_forward)
+    stash(embedding, HOST_SCALE_ATTR, None if scale is None else scale.to("cpu", embedding.weight.dtype))
+    replace_forward(embedding, _host_forward)
 
 
 def detach(embedding) -> None:
     """Undo `attach`: the module's own forward again (the table stays where it is)."""
-    from freetune import overrides
-
-    overrides.restore_forward(embedding)
-    delattr(embedding, HOME_ATTR)
-    embedding.__dict__.pop("_freetune_host_scale", None)
+    restore_forward(embedding)
+    unstash(embedding, HOME_ATTR)
+    unstash(embedding, HOST_SCALE_ATTR)
 
 
 def _host_forward(self, ids):
@@ -116,13 +116,14 @@ def _host_forward(self, ids):
 
     if self.weight.device.type != "cpu":  # moved back by someone else (a model.to(...)): the usual lookup there
         return type(self).forward(self, ids)
-    home = getattr(self, HOME_ATTR)
+    home = stashed(self, HOME_ATTR)
     flat = ids.reshape(-1).to("cpu")
     pinned = self.weight.is_pinned()
     rows = torch.empty((flat.numel(), self.weight.shape[1]), dtype=self.weight.dtype, pin_memory=pinned)
     torch.index_select(self.weight, 0, flat, out=rows)
-    if self._freetune_host_scale is not None:
-        rows.mul_(self._freetune_host_scale)
+    scale = stashed(self, HOST_SCALE_ATTR)
+    if scale is not None:
+        rows.mul_(scale)
     # From pinned memory the copy is queued on the GPU's stream and the host goes on; the caching host allocator keeps
     # the buffer until that copy has run.
     return rows.view(*ids.shape, -1).to(home, non_blocking=pinned)

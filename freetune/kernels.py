@@ -25,18 +25,23 @@ default (the plan's choice), and its losses match the plain stack's draw for dra
 
 from __future__ import annotations
 
-from freetune import bnb_cpu, overrides
-# Which layers qualify reads peft's and bitsandbytes' internals: freetune.overrides.fusable.
-from freetune.overrides import fusable
+from freetune import bnb_cpu
+from freetune.reach import peft_bnb as peft_bnb_reach
+# Which layers qualify reads peft's and bitsandbytes' internals: freetune.reach.peft_bnb.fusable.
+from freetune.reach.peft_bnb import NESTED_BLOCKSIZE, fusable
+from freetune.reach.torch import (compile_settings, foreach_copy_, mark_static, replace_forward, stash, stashed,
+                                  uncompile)
 
+# What a fused layer carries (freetune.reach.torch.stash): that it is fused; the packed 4-bit weight as a plain tensor
+# and its quantisation state as quant_args gives them (absmax values, their table, the spec).
 FUSED_ATTR = "_freetune_fused_lora"
+PACKED_ATTR = "_freetune_packed"
+ABSMAX_ATTR = "_freetune_absmax"
+ABSMAX_TABLE_ATTR = "_freetune_absmax_table"
+SPEC_ATTR = "_freetune_spec"
 # On a fused layer during one training forward and its backward: its LoRA (A, B) already in the compute dtype
 # (cast_adapters_once_per_forward).
 ADAPTER_16BIT_ATTR = "_freetune_lora_16bit"
-
-
-# bitsandbytes' block size for a double-quantised weight's absmax values (QuantState.state2.blocksize).
-NESTED_BLOCKSIZE = 256
 
 
 def quant_args(quant_state, keep_8bit_absmax: bool = False) -> tuple:
@@ -52,21 +57,19 @@ def quant_args(quant_state, keep_8bit_absmax: bool = False) -> tuple:
       them; inside a compiled layer the whole dequantisation (absmax values, then the 4-bit codes) is plain tensor
       code that inductor fuses into one kernel (_dequantize).
     - otherwise the values are dequantised once, here, and kept in fp32 instead of the 8-bit ones (the caller drops
-      those: overrides.single_quantised): +3 bytes per 64 weights (~61 MB for a 1.5B model).
+      those: freetune.reach.peft_bnb.single_quantised): +3 bytes per 64 weights (~61 MB for a 1.5B model).
     freetune.memory.estimate counts either."""
-    import torch._dynamo
-
     absmax, table = quant_state.absmax, None
     if quant_state.nested:
         inner = quant_state.state2
         if keep_8bit_absmax and inner.blocksize == NESTED_BLOCKSIZE:
             table = nested_table(quant_state)
-            torch._dynamo.mark_static(table)
+            mark_static(table)
         else:
             absmax = dequantize_absmax(absmax, inner.absmax, inner.code.to(inner.absmax.device), quant_state.offset,
                                        inner.blocksize, inner.dtype)
     spec = (quant_state.blocksize, quant_state.quant_type, tuple(quant_state.shape), quant_state.dtype)
-    torch._dynamo.mark_static(absmax)  # a fixed size: a token count equal to it must not specialise a graph
+    mark_static(absmax)  # a fixed size: a token count equal to it must not specialise a graph
     return absmax, table, spec
 
 
@@ -314,24 +317,25 @@ def fused_call_args(layer, x) -> dict | None:
     through bitsandbytes' own 4-bit kernels), disabled or merged adapters, several active ones, a moved model."""
     import torch
 
-    if (not getattr(layer, FUSED_ATTR, False) or not layer.training or layer.disable_adapters or layer.merged
+    if (not stashed(layer, FUSED_ATTR, False) or not layer.training or layer.disable_adapters or layer.merged
             or len(layer.active_adapters) != 1 or layer.active_adapters[0] not in layer.lora_A):
         return None
-    packed = layer._freetune_packed
+    packed = stashed(layer, PACKED_ATTR)
     if packed.device != x.device:  # the model was moved after use_fused_lora: peft's layer reads the moved weight
         return None
     name = layer.active_adapters[0]
     dropout = layer.lora_dropout[name]
-    cast = getattr(layer, ADAPTER_16BIT_ATTR, None)
+    cast = stashed(layer, ADAPTER_16BIT_ATTR)
     lora_a, lora_b = cast if cast is not None else (layer.lora_A[name].weight, layer.lora_B[name].weight)
-    return dict(weight=packed, absmax=layer._freetune_absmax, table=layer._freetune_absmax_table,
-                spec=layer._freetune_spec, bias=layer.base_layer.bias,
+    return dict(weight=packed, absmax=stashed(layer, ABSMAX_ATTR), table=stashed(layer, ABSMAX_TABLE_ATTR),
+                spec=stashed(layer, SPEC_ATTR), bias=layer.base_layer.bias,
                 lora_a=lora_a, lora_b=lora_b, scaling=float(layer.scaling[name]),
                 dropout_p=dropout.p if isinstance(dropout, torch.nn.Dropout) else 0.0)
 
 
 def _fused_forward(self, x, *args, **kwargs):
-    """Replacement forward of one peft lora.Linear4bit, bound to it by use_fused_lora (freetune.overrides.replace_forward)."""
+    """Replacement forward of one peft lora.Linear4bit, bound to it by use_fused_lora
+    (freetune.reach.torch.replace_forward)."""
     call = None if args or kwargs else fused_call_args(self, x)
     if call is None:
         return type(self).forward(self, x, *args, **kwargs)
@@ -346,7 +350,6 @@ def use_fused_lora(model, keep_8bit_absmax: bool = False) -> tuple[int, int]:
 
     Idempotent. The module's own forward stays reachable (type(module).forward) and takes over whenever the call
     is outside what the fused function does (evaluation, merged or disabled adapters, extra arguments)."""
-    import torch._dynamo
     from peft.tuners.lora import LoraLayer
 
     _fused_function()  # now, eagerly: the compiled layers only read it
@@ -355,7 +358,7 @@ def use_fused_lora(model, keep_8bit_absmax: bool = False) -> tuple[int, int]:
         if not isinstance(module, LoraLayer):
             continue
         seen += 1
-        already = getattr(module, FUSED_ATTR, False)
+        already = stashed(module, FUSED_ATTR, False)
         if not already and fusable(module):
             continue
         # The packed 4-bit weight as a plain tensor (same storage) and its quantisation state, read here, outside any
@@ -364,16 +367,17 @@ def use_fused_lora(model, keep_8bit_absmax: bool = False) -> tuple[int, int]:
         # H200s (in the compiled graph's runtime wrapper; and, eagerly, in the pack hook of gradient checkpointing
         # under DDP), and costs host time on every use.
         weight = module.base_layer.weight
-        module._freetune_packed = weight.data
-        module._freetune_absmax, module._freetune_absmax_table, module._freetune_spec = quant_args(
-            weight.quant_state, keep_8bit_absmax)
-        if module._freetune_absmax_table is None and weight.quant_state.nested:
+        absmax, table, spec = quant_args(weight.quant_state, keep_8bit_absmax)
+        for name, value in ((PACKED_ATTR, weight.data), (ABSMAX_ATTR, absmax), (ABSMAX_TABLE_ATTR, table),
+                            (SPEC_ATTR, spec)):
+            stash(module, name, value)
+        if table is None and weight.quant_state.nested:
             # The 8-bit absmax values the fp32 ones came from are not kept beside them.
-            overrides.single_quantised(weight.quant_state, module._freetune_absmax)
-        torch._dynamo.mark_static(module._freetune_packed)
+            peft_bnb_reach.single_quantised(weight.quant_state, absmax)
+        mark_static(weight.data)
         if not already:
-            overrides.replace_forward(module, _fused_forward)
-            setattr(module, FUSED_ATTR, True)
+            replace_forward(module, _fused_forward)
+            stash(module, FUSED_ATTR, True)
         fused += 1
     return fused, seen
 
@@ -400,13 +404,13 @@ def cast_adapters_once_per_forward(model, same_buffers: bool = False):
     them at fixed addresses); they then stay allocated between steps."""
     layers, adapters = [], []
     for module in model.modules():
-        if getattr(module, FUSED_ATTR, False):
+        if stashed(module, FUSED_ATTR, False):
             adapter = module.active_adapters[0] if len(module.active_adapters) == 1 else None
             if adapter is None or adapter not in module.lora_A:
                 continue
             layers.append(module)
             adapters.append(adapter)
-    computes = {layer._freetune_spec[3] for layer in layers}
+    computes = {stashed(layer, SPEC_ATTR)[3] for layer in layers}
     if len(computes) != 1:  # none fused, or layers computing in different dtypes: each layer casts its own
         return None
     compute = computes.pop()
@@ -414,20 +418,19 @@ def cast_adapters_once_per_forward(model, same_buffers: bool = False):
 
     def cast_before_forward(top, args, kwargs=None):
         import torch
-        import torch._dynamo
 
         if not (top.training and torch.is_grad_enabled()):
             for layer in layers:  # no 16-bit pair outside a training forward: the fp32 weights then, never a stale pair
-                setattr(layer, ADAPTER_16BIT_ATTR, None)
+                stash(layer, ADAPTER_16BIT_ATTR, None)
             return None
         # The weights read again at every forward, not kept from above: a resumed run's loading may replace them.
         weights = [w for layer, adapter in zip(layers, adapters)
                    for w in (layer.lora_A[adapter].weight, layer.lora_B[adapter].weight)]
         cast = cast_fn.apply(layers, compute, buffers if same_buffers else None, *weights)
         for t in cast:  # fixed sizes, as the parameters they copy: a token count equal to one must not specialise
-            torch._dynamo.mark_static(t)
+            mark_static(t)
         for i, layer in enumerate(layers):
-            setattr(layer, ADAPTER_16BIT_ATTR, (cast[2 * i], cast[2 * i + 1]))
+            stash(layer, ADAPTER_16BIT_ATTR, (cast[2 * i], cast[2 * i + 1]))
         return None
 
     buffers = []  # same_buffers: the copies' storage, made at the first forward
@@ -437,7 +440,7 @@ def cast_adapters_once_per_forward(model, same_buffers: bool = False):
         handle.remove()
         buffers.clear()
         for layer in layers:  # a step stopped between its forward and its backward left its copies there
-            setattr(layer, ADAPTER_16BIT_ATTR, None)
+            stash(layer, ADAPTER_16BIT_ATTR, None)
 
     return undo
 
@@ -459,18 +462,18 @@ def _cast_function():
                     buffers[:] = out
             else:
                 out = buffers
-            torch._foreach_copy_(out, list(weights))
+            foreach_copy_(out, list(weights))
             # New tensor objects over the same storage: autograd makes each forward's outputs its own.
             return tuple(t.detach() for t in out) if buffers is not None else tuple(out)
 
         @staticmethod
         def backward(ctx, *grads):
             for layer in ctx.layers:  # the backward is over: the 16-bit copies may go
-                setattr(layer, ADAPTER_16BIT_ATTR, None)
+                stash(layer, ADAPTER_16BIT_ATTR, None)
             have = [i for i, g in enumerate(grads) if g is not None]
             out = [torch.empty_like(grads[i], dtype=ctx.dtypes[i]) for i in have]
             if out:
-                torch._foreach_copy_(out, [grads[i] for i in have])
+                foreach_copy_(out, [grads[i] for i in have])
             full = [None] * len(grads)
             for i, g in zip(have, out):
                 full[i] = g
@@ -484,7 +487,7 @@ def compile_layers(model, backend: str = "inductor") -> int:
     parameter names and checkpoints stay as they are); returns how many. Shapes are marked dynamic: padding-free
     and length-grouped batches change length every step. A layer dynamo cannot compile runs eagerly
     (suppress_errors) rather than stopping the run."""
-    overrides.compile_settings()
+    compile_settings()
     layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
     for layer in layers:
         layer.compile(dynamic=True, backend=backend)
@@ -494,4 +497,4 @@ def compile_layers(model, backend: str = "inductor") -> int:
 def uncompile_layers(model) -> int:
     """Undo compile_layers (after training): generation runs token by token through a KV cache, shapes the
     training graphs were not compiled for; eager layers serve it without recompiling. Returns how many."""
-    return sum(overrides.uncompile(module) for module in model.modules())
+    return sum(uncompile(module) for module in model.modules())

@@ -16,12 +16,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from freetune import bnb_cpu, overrides, params, templates
-from freetune.distributed import print0
+from freetune import bnb_cpu, params, templates
+from freetune.distributed import context, print0
 from freetune.errors import FreetuneError, reason
 from freetune.fast import VARLEN_ATTENTION, register_attention
 from freetune.platform import require_hub
 from freetune.preflight import Plan
+from freetune.reach import peft_bnb as peft_bnb_reach
+from freetune.reach import transformers as transformers_reach
 
 
 def _check_model_source(model_id: str) -> None:
@@ -153,7 +155,7 @@ def load_base_model(model_id: str, plan: Plan, *, local_rank: int = 0, gradient_
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False  # the KV cache is useless in training and conflicts with checkpointing
     if quantize and plan.device == "cpu":
-        overrides.keep_cpu_inference_layout(model)
+        peft_bnb_reach.keep_cpu_inference_layout(model)
     return model
 
 
@@ -227,8 +229,6 @@ def adapter_dtype_guard(dtype: str = "float32"):
 def _distributed() -> bool:
     import torch.distributed as dist
 
-    from freetune.distributed import context
-
     return context().distributed and dist.is_available() and dist.is_initialized()
 
 
@@ -269,10 +269,10 @@ def _load_fsdp_rank0_only(model_id: str, kwargs: dict):
     try:
         if dist.get_rank() == 0:
             model = AutoModelForCausalLM.from_pretrained(model_id, **kwargs)
-            dist.broadcast_object_list([overrides.quantized_spec(model)], src=0, group=group)
+            dist.broadcast_object_list([transformers_reach.quantized_spec(model)], src=0, group=group)
             return model
         received = [None]
         dist.broadcast_object_list(received, src=0, group=group)
     finally:
         dist.destroy_process_group(group)
-    return overrides.skeleton_from_spec(model_id, kwargs, received[0])
+    return transformers_reach.skeleton_from_spec(model_id, kwargs, received[0])

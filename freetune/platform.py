@@ -112,6 +112,8 @@ def resolve_paths(target: str | None, output_dir: str, run_name: str, use_drive:
     paths = Paths.under(Path(root).expanduser() / run_name, platform=actual)
     try:
         paths.make()
+        # Here, not at the top: the checkpoint package reads the platforms table (stop.py, through secrets.py), so
+        # a module-level import would make a circle.
         from freetune.checkpoint import lock
 
         lock.acquire(paths.run_dir)  # one run per folder: a second run or notebook is refused here

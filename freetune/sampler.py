@@ -10,7 +10,7 @@ freetune.trainer.FreetuneTrainer hands it to the Trainer.
 
 from __future__ import annotations
 
-import functools
+from freetune.reach.transformers import rank_balanced_sampler_class
 
 
 def step_rows(order: list[int], lengths: list[int], ranks: int, grad_accum: int) -> list[list[list[int]]]:
@@ -36,49 +36,10 @@ def step_rows(order: list[int], lengths: list[int], ranks: int, grad_accum: int)
     return out
 
 
-@functools.cache
 def _rank_balanced_sampler_class():
-    # A subclass of transformers' BatchRebalanceSampler: the Trainer hands that class to the DataLoader as its
-    # batch_sampler and keeps accelerate from sharding it again (it is rank-aware already). Its own assignment
-    # sizes micro-batches by a padded-cost model (more rows where rows are short), which would break the plan's
-    # memory budget; this one keeps every micro-batch at micro_batch rows.
-    import math
-
-    import torch
-    from transformers.trainer_pt_utils import BatchRebalanceSampler, get_length_grouped_indices
-
-    class RankBalancedSampler(BatchRebalanceSampler):
-        """Every rank draws the same random permutation (same seed, no communication) and takes its share of each
-        optimizer step's rows from `step_rows`. group_by_length: the permutation is length-grouped first (padded
-        batches on GPUs without a variable-length kernel), so a step's rows have similar lengths."""
-
-        def __init__(self, *args, group_by_length: bool = False, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.group_by_length = group_by_length
-
-        def __iter__(self):
-            g = torch.Generator()
-            g.manual_seed(self.seed + self.epoch)
-            n = len(self.lengths)
-            if self.group_by_length:
-                order = get_length_grouped_indices(self.lengths, self.effective_batch_size, generator=g)
-            elif self.shuffle:
-                order = torch.randperm(n, generator=g).tolist()
-            else:
-                order = list(range(n))
-            size = self.effective_batch_size
-            for step in range(self.num_global_batches):
-                rows = order[step * size:(step + 1) * size]
-                short = self.dp_size * self.grad_accum - len(rows)
-                if short > 0:  # the last, partial step (drop_last off): at least one row per micro-batch
-                    rows = rows + (order * math.ceil(short / n))[:short]
-                yield from self._yield_global_batch(rows)
-
-        def _assign(self, indices, lengths):
-            # step_rows looks lengths up by dataset index (a padded last step may repeat an index).
-            return step_rows(list(indices), self.lengths, self.dp_size, self.grad_accum)
-
-    return RankBalancedSampler
+    """RankBalancedSampler: transformers' BatchRebalanceSampler dealing each step's rows by step_rows (the subclass
+    overrides and calls its private methods: freetune.reach.transformers.rank_balanced_sampler_class)."""
+    return rank_balanced_sampler_class(step_rows)
 
 
 def rank_balanced_sampler(dataset, args, group_by_length: bool = False):

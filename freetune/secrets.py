@@ -13,6 +13,7 @@ import re
 from typing import Iterable
 
 from freetune.errors import FreetuneError
+from freetune.platform import detect, require_hub
 
 SECRET_NAME = "HF_TOKEN"
 ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
@@ -74,8 +75,6 @@ def hf_token(required: bool, purpose: str) -> str | None:
     token, where = find_hf_token()
     if token or not required:
         return token
-    from freetune.platform import detect
-
     here = detect()
     others = [text for name, text in WHERE_TO_ADD.items() if name != here]
     raise FreetuneError(
@@ -98,8 +97,6 @@ def require_hub_write(repo: str, parameter: str, api=None) -> None:
     """Before anything is loaded: the token is there, the Hub answers, and the token may write (`parameter` names the
     setting that asked for it). Without this, `hub_repo` failed after the whole run and `hub_checkpoint_repo`
     after the model had loaded. A fine-grained token's per-repo rights are not read here: its first upload says."""
-    from freetune.platform import require_hub
-
     from huggingface_hub import constants
 
     token = hf_token(required=True, purpose=f"push to {repo} ({parameter})")

@@ -21,7 +21,7 @@ import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
-from freetune import checkpoint, fast, fused_mlp, graphed_layers, host_embeddings, kernels, overrides, tracking
+from freetune import checkpoint, fast, fused_mlp, graphed_layers, host_embeddings, kernels, tracking
 from freetune import params as param_rules  # not `params`: make_config takes a recipe's parameters under that name
 from freetune.batching import PAD_TO
 from freetune.choices import choose_optimizer
@@ -30,9 +30,11 @@ from freetune.distributed import COLLECTIVE_TIMEOUT_S, check_replicas_agree, con
 from freetune.errors import FreetuneError
 from freetune.memory import keeps_8bit_absmax
 from freetune.model import adapter_dtype_guard
-from freetune.overrides import NonFiniteGuard
 from freetune.platform import Paths
 from freetune.preflight import Plan
+from freetune.reach import transformers as transformers_reach
+from freetune.reach import trl as trl_reach
+from freetune.reach.transformers import NonFiniteGuard
 from freetune.resources import folder_bytes
 
 SUMMARY_FILE = "run_summary.json"
@@ -136,7 +138,7 @@ def _sft_config(paths: Paths, plan: Plan, *, max_steps: int, learning_rate: floa
     if plan.device == "cuda" and torch.cuda.device_count() > 1 and "LOCAL_RANK" not in os.environ:
         # One process that sees two GPUs makes the Trainer wrap the model in nn.DataParallel, which SFTTrainer
         # refuses. Inline training uses one GPU; the Kaggle notebook's torchrun cell uses them all.
-        overrides.one_gpu_only(config)
+        transformers_reach.one_gpu_only(config)
         print0(f"{torch.cuda.device_count()} GPUs visible: this inline run uses GPU 0 only. "
                f"The torchrun (DDP) cell trains on all of them.")
     return config
@@ -402,8 +404,8 @@ def _speed_up(trainer, plan: Plan) -> list:
         how = (f"in chunks of {fused_mlp.CHUNK_TOKENS} tokens" if plan.mlp_kernel == "chunked"
                else "as one node each, gate and up recomputed in the backward")
         print0(f"MLP kernel: {fused} of {seen} MLPs {how} (freetune.fused_mlp).")
-    overrides.set_loss_tile_tokens(plan.loss_tile_tokens)
-    overrides.keep_cuda_cache_between_steps(trainer)
+    trl_reach.set_loss_tile_tokens(plan.loss_tile_tokens)
+    trl_reach.keep_cuda_cache_between_steps(trainer)
     from freetune.trainer import GarbageFrozenAfterWarmup
 
     frozen = GarbageFrozenAfterWarmup()

@@ -1,13 +1,14 @@
 """FreetuneTrainer: TRL's SFTTrainer with every change freetune makes to how it trains, in one class.
 
 Each method overrides one of transformers' Trainer or TRL's SFTTrainer, most of them private, and is tagged with the
-release it was written against (`@written_against`; freetune.overrides.check_overridden refuses, at import, a tag
+release it was written against (`@written_against`; freetune.reach.versions.check_overridden refuses, at import, a tag
 whose method the installed library no longer has, and check_versions warns when the releases differ from the
-pins in pyproject.toml). The library's other internals freetune touches are in freetune/overrides.py. What changes:
+pins in pyproject.toml). The libraries' other internals freetune touches are in freetune/reach/, one module per
+library. What changes:
 - metrics without host syncs: TRL reads its per-micro-batch entropy, token-accuracy and token-count metrics on the
   host three times per micro-batch (a device sync each, and under DDP a gather each); here the same sums stay on
   the GPU and are read once per log step (compute_loss, log);
-- padding-free batches: the collator switched at construction (freetune.overrides.apply_batching), the alignment
+- padding-free batches: the collator switched at construction (freetune.reach.trl.apply_batching), the alignment
   padding's count taken out of each batch before the model sees it (_prepare_inputs);
 - the rank-balanced sampler under torchrun (_get_train_sampler, freetune.sampler);
 - complete-or-ignored checkpoints: every rank's share written, then the marker, then the rotation, and no save of
@@ -32,12 +33,14 @@ import torch
 from transformers import TrainerCallback
 from trl import SFTTrainer
 
-from freetune import overrides
 from freetune.batching import PAD_KEY
 from freetune.checkpoint import identity, marker
 from freetune.checkpoint.hub import TOKENIZER_DIR  # beside the checkpoint-N folders: the run's tokenizer, once
 from freetune.distributed import barrier
-from freetune.overrides import written_against
+from freetune.reach import peft_bnb as peft_bnb_reach
+from freetune.reach import trl as trl_reach
+from freetune.reach.torch import set_last_lrs
+from freetune.reach.versions import check_overridden, written_against
 from freetune.sampler import rank_balanced_sampler
 
 
@@ -57,8 +60,9 @@ class FreetuneTrainer(SFTTrainer):
         super().__init__(*args, **kwargs)
         self.plan, self.hub = plan, hub
         if self.eval_dataset is not None:
-            overrides.keep_training_layout(self.model)  # evaluations between steps must not repack it for inference
-        overrides.apply_batching(self, plan.batching if plan is not None else "padded")
+            # evaluations between steps must not repack it for inference
+            peft_bnb_reach.keep_training_layout(self.model)
+        trl_reach.apply_batching(self, plan.batching if plan is not None else "padded")
 
     # ---- metrics, read once per log step ----------------------------------------------------------------------
 
@@ -231,14 +235,14 @@ class FreetuneTrainer(SFTTrainer):
                 group["lr"].fill_(lr)
             else:
                 group["lr"] = lr
-        scheduler._last_lr = list(rates)  # torch 2.13's LRScheduler keeps what get_last_lr() returns here
+        set_last_lrs(scheduler, rates)
 
     # ---- checkpoints: rank 0 writes everything, and marks each one complete ---------------------------------------
 
     @written_against("transformers 5.17")
     def _save_checkpoint(self, model, trial):
-        # The loss is checked at log steps only (overrides.NonFiniteGuard); a save between them must not write
-        # weights an overflow has already poisoned, or the resume would go on from them.
+        # The loss is checked at log steps only (freetune.reach.transformers.NonFiniteGuard); a save between them must
+        # not write weights an overflow has already poisoned, or the resume would go on from them.
         if not marker.weights_finite(model):
             self.nonfinite_weights_at = f"at step {self.state.global_step} the adapter's weights hold NaN or inf"
             self.control.should_training_stop = True
@@ -287,7 +291,7 @@ class FreetuneTrainer(SFTTrainer):
                 torch.save(rank_state, os.path.join(output_dir, f"rng_state_{rank}.pth"))
 
 
-overrides.check_overridden(FreetuneTrainer)
+check_overridden(FreetuneTrainer)
 
 
 class GarbageFrozenAfterWarmup(TrainerCallback):

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from freetune.kernels import NESTED_BLOCKSIZE
+from freetune.reach.peft_bnb import NESTED_BLOCKSIZE
 
 _BROKEN: dict = {}  # "why": set once a launch failed; usable() is then False for the process
 BLOCK = 1024        # elements (bytes, for the dequantisation) per program

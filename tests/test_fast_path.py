@@ -42,7 +42,8 @@ def test_padding_free_path_matches_the_plain_loss_and_computes_no_padding(tiny_m
     from trl import SFTTrainer
 
     import freetune
-    from freetune import batching, overrides
+    from freetune import batching
+    from freetune.reach import trl as trl_reach
     from freetune.model import adapter_dtype_guard
     from freetune.preflight import Plan
 
@@ -96,7 +97,7 @@ def test_padding_free_path_matches_the_plain_loss_and_computes_no_padding(tiny_m
 
     # The same batches through both collators: the plain one pads, the padding-free one does not.
     padded = [batching.padding_stats(b) for b in plain.get_train_dataloader()]
-    overrides.apply_batching(plain, "padding_free")
+    trl_reach.apply_batching(plain, "padding_free")
     free_batches = list(plain.get_train_dataloader())
     free = [batching.padding_stats(b) for b in free_batches]
     assert sum(s["pad_tokens"] for s in padded) > 0

@@ -9,8 +9,9 @@ import pytest
 
 from freetune import preflight
 from freetune.errors import FreetuneError
+from freetune.hardware import torch_supports
 from freetune.memory import KNOWN_SHAPES
-from freetune.preflight import GPU, Hardware, Plan, make_plan, read_hardware, torch_supports
+from freetune.preflight import GPU, Hardware, Plan, make_plan, read_hardware
 
 # What current PyTorch wheels (CUDA 12.8+) are built for: Turing and newer, no Pascal (sm_60) or Volta (sm_70).
 CURRENT_ARCHS = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]

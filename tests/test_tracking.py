@@ -33,7 +33,7 @@ def runs(tiny_model_dir, tmp_path_factory):
     from trl import SFTTrainer
 
     import freetune
-    from freetune import overrides
+    from freetune.reach import peft_bnb as peft_bnb_reach
     from freetune.model import adapter_dtype_guard
     from freetune.preflight import Plan
 
@@ -53,7 +53,7 @@ def runs(tiny_model_dir, tmp_path_factory):
         return paths, model, config
 
     _, model, config = model_and_config(Plan(**common, batching="padded"), "plain", "none")
-    overrides.keep_training_layout(model)  # as train() does: else an AVX-512 CPU cannot train after an evaluation
+    peft_bnb_reach.keep_training_layout(model)  # as train() does: else an AVX-512 CPU cannot train after an evaluation
     plain = SFTTrainer(model=model, args=config, train_dataset=rows(16), eval_dataset=rows(8, offset=100),
                        processing_class=tokenizer, callbacks=[adapter_dtype_guard()])
     plain.train()

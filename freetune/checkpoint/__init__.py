@@ -16,7 +16,8 @@ Old checkpoints are rotated out only after the new one's marker is written, and 
 there are always at least `save_total_limit` (>= 2) complete checkpoints once that many were saved.
 
 The files, one job each (this package re-exports their names):
-    marker.py   the completion marker, rotation, and the resume that finds the newest complete checkpoint
+    marker.py   the completion marker, rotation, the newest complete checkpoint
+    resume.py   the checkpoint every rank resumes from, local or from the Hub
     stop.py     stopping early: the time budget and SIGTERM, the ranks agreeing on the step
     hub.py      the optional Hub sync of each complete checkpoint, and its download on resume
     identity.py what a run's checkpoints were trained with, compared before a resume loads the model
@@ -28,9 +29,9 @@ The files, one job each (this package re-exports their names):
 from freetune.checkpoint.hub import HubSync
 from freetune.checkpoint import lock, space
 from freetune.checkpoint.identity import check_resumed, check_same_run
-from freetune.checkpoint.marker import (MARKER, agree_on_resume, check_complete, checkpoint_step, complete_checkpoints,
-                                        find_resume_checkpoint, latest_complete, remove_incomplete, rotate,
-                                        weights_finite, write_marker)
+from freetune.checkpoint.marker import (MARKER, check_complete, checkpoint_step, complete_checkpoints, latest_complete,
+                                        remove_incomplete, rotate, weights_finite, write_marker)
+from freetune.checkpoint.resume import agree_on_resume, find_resume_checkpoint
 from freetune.checkpoint.stop import BUDGET_MARGIN_MIN, StopAgreement, sigterm_stops, stop_callback, time_budget
 
 __all__ = ["BUDGET_MARGIN_MIN", "MARKER", "HubSync", "StopAgreement", "agree_on_resume", "check_complete",

@@ -16,6 +16,7 @@ from pathlib import Path
 from freetune.checkpoint.marker import MARKER, check_complete, checkpoint_step, latest_complete
 from freetune.distributed import print0
 from freetune.errors import FreetuneError
+from freetune.secrets import hf_token, redact
 
 TOKENIZER_DIR = "tokenizer"  # freetune.trainer.save_tokenizer_once writes the run's tokenizer there, once
 
@@ -43,8 +44,6 @@ class HubSync:
     @classmethod
     def connect(cls, repo_id: str, run_name: str, keep: int, api=None) -> "HubSync":
         """Find the token and make sure the private repo exists, before any training (errors say what to do)."""
-        from freetune.secrets import hf_token
-
         token = hf_token(required=True, purpose=f"sync checkpoints to the private Hub repo {repo_id!r} "
                                                 f"(hub_checkpoint_repo)")
         if api is None:
@@ -63,8 +62,6 @@ class HubSync:
         return sync
 
     def _clean(self, exc: BaseException) -> str:
-        from freetune.secrets import redact
-
         return redact(f"{type(exc).__name__}: {exc}", [self._token])[:500]
 
     def _remote(self, step: int) -> str:

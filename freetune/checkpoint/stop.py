@@ -12,6 +12,7 @@ from contextlib import contextmanager
 
 from freetune.distributed import print0
 from freetune import params
+from freetune.platform import PLATFORMS
 
 # The platform limit minus this: time for the final save, the evaluation and the export after training.
 BUDGET_MARGIN_MIN = 60
@@ -19,8 +20,6 @@ BUDGET_MARGIN_MIN = 60
 
 def time_budget(minutes: float, platform: str) -> tuple[float | None, str]:
     """(seconds or None, why): minutes > 0 is the user's budget; 0 is the platform's limit minus a margin."""
-    from freetune.platform import PLATFORMS
-
     params.require(time_budget_min=minutes)
     if minutes > 0:
         return minutes * 60, f"{minutes:g} min (time_budget_min)"
