@@ -42,9 +42,9 @@ FUSED_MLP_ATTR = "_freetune_fused_mlp"
 MLP_KERNEL_ATTR = "_freetune_mlp_kernel"
 CHUNK_ATTR = "_freetune_chunk"
 # The architectures (config.json's model_type) whose MLP class is one of freetune.reach.transformers.SWIGLU_MLPS:
-# separate gate, up and down projections with SiLU. The plan takes the fused MLP only for these (freetune.choices.mlp_why_not): for any other
-# (Phi-3's fused gate_up_proj, Gemma's GELU, a mixture of experts) it would fuse nothing, so it must not count its
-# memory saving either.
+# separate gate, up and down projections with SiLU. The plan takes the fused MLP only for these
+# (freetune.choices.mlp_why_not): for any other (Phi-3's fused gate_up_proj, Gemma's GELU, a mixture of experts) it
+# would fuse nothing, so it must not count its memory saving either.
 MLP_MODEL_TYPES = {"llama": "LlamaMLP", "qwen2": "Qwen2MLP", "qwen3": "Qwen3MLP", "mistral": "MistralMLP"}
 # Tokens per chunk: four chunk-sized tensors of this many tokens x intermediate in the backward (freetune.memory
 # counts them); smaller chunks add launches to a step bound by them.

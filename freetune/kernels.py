@@ -367,14 +367,15 @@ def use_fused_lora(model, keep_8bit_absmax: bool = False) -> tuple[int, int]:
         # H200s (in the compiled graph's runtime wrapper; and, eagerly, in the pack hook of gradient checkpointing
         # under DDP), and costs host time on every use.
         weight = module.base_layer.weight
+        packed = weight.data  # one tensor object: each .data is a new one, and mark_static marks the object
         absmax, table, spec = quant_args(weight.quant_state, keep_8bit_absmax)
-        for name, value in ((PACKED_ATTR, weight.data), (ABSMAX_ATTR, absmax), (ABSMAX_TABLE_ATTR, table),
+        for name, value in ((PACKED_ATTR, packed), (ABSMAX_ATTR, absmax), (ABSMAX_TABLE_ATTR, table),
                             (SPEC_ATTR, spec)):
             stash(module, name, value)
         if table is None and weight.quant_state.nested:
             # The 8-bit absmax values the fp32 ones came from are not kept beside them.
             peft_bnb_reach.single_quantised(weight.quant_state, absmax)
-        mark_static(weight.data)
+        mark_static(packed)
         if not already:
             replace_forward(module, _fused_forward)
             stash(module, FUSED_ATTR, True)

@@ -110,7 +110,8 @@ def reaches(source: str, module: str = "freetune.example", own=None, per_module=
             found.append(f"{node.lineno}: {ast.unparse(node)} (private of another library)")
         elif root in ("self", "cls") and isinstance(base, ast.Name):
             if not write and name not in here:
-                found.append(f"{node.lineno}: {ast.unparse(node)} (a private of self that this module does not define: a foreign base class's)")
+                found.append(f"{node.lineno}: {ast.unparse(node)} (a private of self this module does not define: "
+                             f"a foreign base class's)")
         elif write:
             found.append(f"{node.lineno}: {ast.unparse(node)} (private attribute written onto another object)")
         elif name not in own:
@@ -124,8 +125,8 @@ def reaches(source: str, module: str = "freetune.example", own=None, per_module=
             if any(is_private(part) for part in node.module.split(".")) or any(is_private(a.name) for a in node.names):
                 found.append(f"{node.lineno}: {ast.unparse(node)}")
         elif isinstance(node, ast.ClassDef) and any(_base_name(base) in foreign for base in node.bases):
-            found += [f"{item.lineno}: {node.name}.{item.name} (private method of a subclass of another library's class)"
-                      for item in node.body
+            found += [f"{item.lineno}: {node.name}.{item.name} (private method of a subclass of another library's "
+                      f"class)" for item in node.body
                       if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and is_private(item.name)]
         elif isinstance(node, ast.Attribute) and is_private(node.attr):
             access(node, node.value, node.attr, isinstance(node.ctx, (ast.Store, ast.Del)))
