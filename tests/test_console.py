@@ -42,6 +42,26 @@ def test_a_freetune_error_shows_as_its_message_and_still_fails_the_cell():
     assert "ValueError" in on_request and "direct cause" in on_request
 
 
+
+def test_an_ipython_without_the_private_display_keeps_its_own_traceback_and_says_why():
+    # An IPython release that renamed InteractiveShell._showtraceback (freetune.reach.ipython), emulated by removing it.
+    result = python("""
+        import warnings
+        from IPython.core.interactiveshell import InteractiveShell
+        del InteractiveShell._showtraceback
+        shell = InteractiveShell.instance()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            shell.run_cell("import freetune")
+        print("WARNED:", *[str(w.message) for w in caught])
+        outcome = shell.run_cell("raise freetune.FreetuneError('Set `dataset` to a file that exists.')")
+        print("FAILED" if outcome.error_in_exec is not None else "PASSED")
+    """)
+    assert result.returncode == 0, result.stderr
+    assert "FreetuneError will show with its whole traceback" in result.stdout
+    assert "no InteractiveShell._showtraceback" in result.stdout and "IPython 9.18" in result.stdout
+    assert "FAILED" in result.stdout
+
 def test_the_libraries_draw_no_progress_bars_once_freetune_is_imported():
     result = python("""
         import freetune, datasets, transformers

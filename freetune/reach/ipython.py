@@ -12,9 +12,10 @@ def can_show_error_output(shell) -> str:
     """'' when show_error_output works on this IPython shell, else why not (the feature then steps aside)."""
     if callable(getattr(shell, "_showtraceback", None)):
         return ""
-    from freetune.reach.versions import gone
-
-    return gone("IPython's InteractiveShell._showtraceback", f"IPython {WRITTEN_AGAINST['ipython']}")
+    # Not freetune.reach.versions.gone: importing that module checks the pinned releases, which `import freetune`
+    # must not do (it runs here, from freetune.console).
+    return (f"this IPython ({type(shell).__module__}) has no InteractiveShell._showtraceback; freetune's reach was "
+            f"written against IPython {WRITTEN_AGAINST['ipython']}")
 
 
 def show_error_output(shell, etype, value, lines: list[str]) -> None:
