@@ -418,6 +418,10 @@ def _step_profiler_class():
             self.prof.__exit__(None, None, None)
             events = self.prof.events()
             kernels = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")]
+            # not inductor's "## Call CompiledFxGraph" ranges on the GPU's timeline: their kernels are counted already
+            from scripts.step_breakdown import is_annotation
+
+            kernels = [e for e in kernels if not is_annotation(e.name)]
             busy = sum(getattr(e, "device_time", 0) or 0 for e in kernels) / 1e6
             aten = sum(1 for e in events if e.name.startswith("aten::"))
             self.summary = {"wall_s": round(wall, 4), "gpu_busy_s": round(busy, 4),
