@@ -25,9 +25,13 @@ OPTIMIZER = re.compile(r"optimizer|adam|multi_tensor_apply|_foreach_|opt_step", 
 ELEMENTWISE = re.compile(r"elementwise|vectorized|unrolled|copy|cast|fill|memset|memcpy|reduce|index|cat|where",
                          re.I)
 # An op that runs the forward: met before any backward node when walking up from a kernel's op, inside the backward,
-# it is checkpointing's recompute.
-FORWARD_OPS = ("aten::linear", "aten::matmul", "aten::embedding", "aten::scaled_dot_product_attention",
-               "CompiledFunction", "freetune::varlen_efficient", "freetune::qlora_mlp")
+# it is checkpointing's recompute. Not aten::matmul or aten::mm: custom backward functions (freetune's fused LoRA,
+# Unsloth's) multiply with `@`.
+FORWARD_OPS = ("aten::linear", "aten::embedding", "aten::scaled_dot_product_attention", "CompiledFunction",
+               "freetune::varlen_efficient", "freetune::qlora_mlp")
+# A backward node that is a checkpoint's: what runs inside it before any other backward node is the recompute
+# (Unsloth's offloaded checkpointing is an autograd Function of its own).
+CHECKPOINT_NODES = re.compile(r"checkpoint|offloaded", re.I)
 
 
 def is_annotation(name: str) -> bool:
@@ -51,10 +55,10 @@ def phase_of(names: list[str]) -> str:
     if not any("Backward" in n or "evaluate_function" in n for n in names):
         return "forward"
     for name in names:
-        if name in FORWARD_OPS or name.startswith("CompiledFunction") and "Backward" not in name:
+        if name in FORWARD_OPS:
             return "recompute"
-        if "Backward" in name:
-            return "backward"
+        if "Backward" in name or "evaluate_function" in name:
+            return "recompute" if CHECKPOINT_NODES.search(name) else "backward"
     return "backward"
 
 

@@ -429,4 +429,8 @@ def test_the_step_breakdown_sorts_kernels_by_what_they_do_and_when():
     assert sb.phase_of(["triton_poi_fused_0", "CompiledFunction", "evaluate_function: XBackward0"]) == "recompute"
     assert sb.phase_of(["triton_poi_fused_0", "CompiledFunctionBackward"]) == "backward"
     assert sb.phase_of(["aten::mm", "aten::linear"]) == "forward"
+    # a custom backward's `@` is the backward, not a recompute; a checkpoint node's own forward ops are the recompute
+    assert sb.phase_of(["aten::mm", "aten::matmul", "FusedLoRABackward", "evaluate_function: FusedLoRABackward"]) == \
+        "backward"
+    assert sb.phase_of(["aten::mm", "aten::matmul", "Unsloth_Offloaded_Gradient_CheckpointerBackward"]) == "recompute"
     assert sb.phase_of(["aten::_foreach_add_", "Optimizer.step#AdamW.step"]) == "optimizer"
