@@ -115,11 +115,12 @@ def test_rounds_alternate_the_order_and_each_run_reports_its_median_rate_and_hig
     # The targets read the medians: 120 / 75 = 1.6x at a peak of 1.31 against 1.35 GiB.
     targets = bench.peer_targets(list(merged.values()))
     assert targets[0]["met"] is True and "1.60x" in targets[0]["detail"]
-    # Each mode's freetune run trains with its recipe's LoRA dropout (4gb: tiny_4gb's; the others: svg_coder's).
+    # Each mode's freetune run trains with its recipe's LoRA dropout (4gb: tiny_4gb's; t4_8b: home_assistant's; the
+    # others: svg_coder's).
     assert bench.recipe_default("tiny_4gb", "lora_dropout") == 0.0
     assert bench.recipe_default("svg_coder", "lora_dropout") == 0.05
     assert {m: spec["recipe"] for m, spec in bench.MODES.items()} == {
-        "uncapped": "svg_coder", "t4": "svg_coder", "4gb": "tiny_4gb"}
+        "uncapped": "svg_coder", "t4": "svg_coder", "4gb": "tiny_4gb", "t4_8b": "home_assistant"}
     # End to end on a CPU: two rounds of the tiny freetune run, both kept, one median in the table's run.
     out = tmp_path / "rounds.json"
     done = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--tiny", "--work", str(tmp_path),
