@@ -280,8 +280,9 @@ def test_the_peer_worker_imports_nothing_from_freetune(tmp_path):
         return names - set(sys.stdlib_module_names)
 
     worker = REPO / "scripts" / "bench_unsloth.py"
-    assert imports(worker) == {"torch", "unsloth", "transformers", "trl", "datasets", "gc_pauses"}
-    assert imports(REPO / "scripts" / "gc_pauses.py") == set()  # its sibling module: the standard library only
+    assert imports(worker) == {"torch", "unsloth", "transformers", "trl", "datasets", "gc_pauses", "step_breakdown"}
+    for sibling in ("gc_pauses.py", "step_breakdown.py"):  # its sibling modules: the standard library only
+        assert imports(REPO / "scripts" / sibling) == set(), sibling
     # Run as bench.py runs it, but with no site-packages and nothing of the repository on the path: it gets as far as
     # needing torch (no freetune module was asked for), and leaves the failed-run row bench.py's table prints.
     job = {"mode": "t4", "run": "unsloth", "precision": "fp16", "work": str(tmp_path), "result": str(tmp_path / "r.json")}
