@@ -394,7 +394,7 @@ def choose_embeddings(shape, common: dict, layout: str) -> tuple[bool, str]:
                   f"their rows copied to the GPU (the lm_head is a weight of its own and stays)")
 
 
-def choose_compile(compile_layers: str, device: str, layout: str) -> tuple[bool, str]:
+def choose_compile(compile_layers: str, device: str, layout: str, shape=None) -> tuple[bool, str]:
     """(compile each decoder layer?, why) for the plan; compile_layers is "auto", "on" or "off"."""
     if compile_layers not in ("auto", "on", "off"):
         raise FreetuneError(f"compile = {compile_layers!r}: use 'auto' (on a GPU), 'on' or 'off'.")
@@ -404,6 +404,12 @@ def choose_compile(compile_layers: str, device: str, layout: str) -> tuple[bool,
         return False, "a CPU run is a check: eager, as the plain stack runs"
     if layout == "fsdp":
         return False, "FSDP: its flat parameters and compiled layers are not combined here"
+    if shape is not None and shape.experts:
+        # Measured on an H200 (reports/gpu/architectures_t4_emulated.json): dynamo breaks the graph at transformers'
+        # grouped_mm fallback and recompiles peft's ParamWrapper per layer until its limit, 1,090 tok/s against 45,471
+        # for the eager layers: the same gradients, 40x slower.
+        return False, (f"{shape.name} is a mixture of experts: torch.compile breaks its graph at the experts' "
+                       f"grouped matmul and recompiles per layer (40x slower, measured): eager layers")
     return True, ("torch.compile per decoder layer: its norms, rotary, SiLU-gate and casts fuse into a few kernels, "
                   "fewer launches and less activation memory; the first steps compile (a minute or two)")
 

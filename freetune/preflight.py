@@ -323,7 +323,7 @@ def make_plan(hardware: Hardware | None = None, *, model_shape: ModelShape | str
                                                                  lora_targets)
     # Chosen before the memory check (fused and compiled layers change the absmax bytes and what is saved) and again
     # at the end, in case FSDP took over.
-    _kernels_step(plan, compile)
+    _kernels_step(plan, compile, shape)
     micro_batch = micro_batch or None
     # The memory is sized for rows as long as the data's longest (the audit counts them; replan passes it), not for
     # max_length: short rows (an SVG set's ~150 tokens) would otherwise be planned as 1,024 each.
@@ -377,9 +377,9 @@ def _layout_step(plan: Plan, hardware: Hardware, layout: str) -> None:
                                + (f", built for {', '.join(sorted(built))}" if built and hardware.arch_list else ""))
 
 
-def _kernels_step(plan: Plan, compile: str) -> None:
+def _kernels_step(plan: Plan, compile: str, shape: ModelShape | None) -> None:
     plan.lora_kernel, plan.reasons["lora_kernel"] = choose_lora_kernel(plan.device, plan.layout)
-    plan.compile, plan.reasons["compile"] = choose_compile(compile, plan.device, plan.layout)
+    plan.compile, plan.reasons["compile"] = choose_compile(compile, plan.device, plan.layout, shape)
 
 
 def _memory_step(plan: Plan, sizing: _Sizing, **lora) -> None:
@@ -556,7 +556,7 @@ def _final_step(plan: Plan, hardware: Hardware, sizing: _Sizing, compile: str) -
     plan.reasons["max_length"] = ("as given" if plan.max_length == sizing.max_length
                                   else f"lowered from {sizing.max_length} to fit")
     plan.warnings += _disk_warnings(hardware, sizing.shape)
-    _kernels_step(plan, compile)
+    _kernels_step(plan, compile, sizing.shape)
     memory = plan.memory
     plan.offload_activations = bool(memory is not None and memory.settings.get("offload_activations")
                                     and plan.gradient_checkpointing)

@@ -18,7 +18,9 @@ belong to one run; --parallel runs two single-GPU runs at once, one per GPU, fas
   t4          Qwen2.5-1.5B shape under a 14.5 GiB cap (torch.cuda.set_per_process_memory_fraction) and the T4's
               fp16 policy (precision="fp16": fp16 autocast with loss scaling, no FlashAttention-only kernels),
               for both tools (--t4-cublas-workspace: the T4's cuBLAS workspace too);
-  4gb         TinyLlama-1.1B shape under a 4 GiB cap, the same T4 policy.
+  4gb         TinyLlama-1.1B shape under a 4 GiB cap, the same T4 policy;
+  t4_8b       Qwen3-8B shape (home_assistant's model) under the 14.5 GiB cap and the T4 policy, rows of 150-500
+              tokens as that recipe's (--row-lengths changes them; 'max': every row at max_length, GPU-bound).
 With 2 GPUs the uncapped free_tier and freetune runs are repeated under torchrun (DDP) for the scaling efficiency,
 each right after its 1-GPU run (the lent host's speed drifts over minutes; --variants 'again:' repeats a pair).
 
@@ -32,7 +34,8 @@ of the mode that fits (x Unsloth), and issue 25's targets, met or not, under the
 Usage (GPU machine):  python scripts/bench.py --out reports/gpu/bench.json   (~17 min on two H200s, the compiled
                       runs compile for ~100 s each; split it to fit 10-minute calls: --modes uncapped --no-ddp,
                       --modes t4,4gb --no-ddp, then --modes uncapped --runs freetune --ddp-only --merge FIRST.json)
-Where the time goes:  --profile (torch.profiler over one extra step, and where it made the host wait for the GPU),
+Where the time goes:  --profile (torch.profiler over one extra step, and where it made the host wait for the GPU;
+                      on a GPU its kernel time by category and phase, scripts/step_breakdown.py, the peer's too),
                       --variants 'eager:compile=false;...' (plan choices), 'flat:flat_sync=true' (DDP settings).
 The plan's memory estimate on the rows the embedded default trains on (the bundled SVG sample, the plan sized from
 its longest row):     --rows svg_sample --modes uncapped,t4 --runs freetune
@@ -70,13 +73,17 @@ LORA_RANK = 16
 T4_CUBLAS_WORKSPACE = ":4096:2:16:8"
 TINY_SHAPE = ModelShape("tiny", hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, vocab=1024,
                         tied_embeddings=True, attention_bias=True)
-ARCHITECTURE = {"Qwen2.5-1.5B": "qwen2", "TinyLlama-1.1B": "llama", "tiny": "qwen2"}
+ARCHITECTURE = {"Qwen2.5-1.5B": "qwen2", "TinyLlama-1.1B": "llama", "Qwen3-8B": "qwen3", "tiny": "qwen2"}
+ROW_LENGTHS = (300, 1200)  # the synthetic rows' lengths (cut at MAX_LENGTH), unless a mode or --row-lengths says
+MAX_LENGTH = 1024
 # Each mode stands for a recipe: freetune's LoRA dropout there is that recipe's default (recipe_default); Unsloth's runs
 # use 0, what its fused LoRA path needs.
 MODES = {
     "uncapped": dict(shape="qwen2.5-1.5b", cap_gib=0.0, precision="auto", recipe="svg_coder"),
     "t4": dict(shape="qwen2.5-1.5b", cap_gib=14.5, precision="fp16", recipe="svg_coder"),
     "4gb": dict(shape="tinyllama-1.1b", cap_gib=4.0, precision="fp16", recipe="tiny_4gb"),
+    # home_assistant's model under the T4 cap (issue 49), on rows as long as that recipe's (150-500 tokens)
+    "t4_8b": dict(shape="qwen3-8b", cap_gib=14.5, precision="fp16", recipe="home_assistant", lengths=(150, 500)),
 }
 RUNS = ("free_tier", "plain_best", "freetune")
 ROW_SOURCES = ("synthetic", "svg_sample")
@@ -86,7 +93,7 @@ PEER_RUNS = ("unsloth", "unsloth_nockpt", "unsloth_padded")
 PEER_WORKER = REPO / "scripts" / "bench_unsloth.py"
 PEER_SITE_DEFAULT = "/tmp/usite"
 # Issue 25's targets: freetune's tokens/s over Unsloth's, per mode (see peer_targets).
-TARGET_X = {"4gb": 1.3, "t4": 1.3, "uncapped": 1.8}
+TARGET_X = {"4gb": 1.3, "t4": 1.3, "t4_8b": 1.3, "uncapped": 1.8}
 LEAN_X = 1.3
 # --like-for-like: freetune's plan with the peer's training settings (scripts/bench_unsloth.py): LoRA dropout 0 (its
 # fused LoRA path needs it; svg_coder's recipe uses 0.05, tiny_4gb's 0) and 8-bit AdamW (its notebooks'; freetune's
@@ -115,6 +122,30 @@ def recipe_default(recipe: str, name: str):
 
 def shape_of(name: str) -> ModelShape:
     return TINY_SHAPE if name == "tiny" else KNOWN_SHAPES[name]
+
+
+def shape_named(name: str) -> ModelShape:
+    """The shape a run's report names (its ModelShape.name: 'Qwen3-8B'), for its MFU; any unknown name is an error,
+    not the tiny shape (which made the Qwen3-8B runs' MFU read 0.0%)."""
+    found = [s for s in (TINY_SHAPE, *KNOWN_SHAPES.values()) if s.name == name]
+    if not found:
+        raise KeyError(f"no shape named {name!r} in bench's shapes ({', '.join(s.name for s in KNOWN_SHAPES.values())})")
+    return found[0]
+
+
+def parse_row_lengths(text: str, max_length: int = MAX_LENGTH) -> tuple[int, int]:
+    """--row-lengths: 'MIN,MAX' tokens (uniform, cut at max_length) or 'max' (every row at max_length)."""
+    if text.strip().lower() == "max":
+        return max_length, max_length
+    parts = text.split(",")
+    try:
+        low, high = (int(p) for p in parts)
+    except ValueError:
+        raise ValueError(f"--row-lengths {text!r}: give MIN,MAX in tokens (e.g. 300,1200) or 'max' (every row at "
+                         f"max_length, {max_length})") from None
+    if not 1 <= low <= high:
+        raise ValueError(f"--row-lengths {text!r}: need 1 <= MIN <= MAX (rows longer than {max_length} are cut)")
+    return low, high
 
 
 def matmul_flops_per_token(shape: ModelShape) -> int:
@@ -149,6 +180,8 @@ def build_model(shape: ModelShape, out: Path, tokenizer_dir: Path, device: str) 
     overrides = dict(intermediate_size=shape.intermediate, num_attention_heads=shape.heads,
                      num_key_value_heads=shape.kv_heads, vocab_size=shape.vocab, pad_token_id=0, eos_token_id=1,
                      bos_token_id=1, tie_word_embeddings=shape.tied_embeddings)
+    if shape.head_dim:  # Qwen3's 128 (the tiny fixture's qwen3 config says 16)
+        overrides["head_dim"] = shape.head_dim
     with torch.device(device):
         build_tiny_model(out, ARCHITECTURE[shape.name], hidden_size=shape.hidden, num_layers=shape.layers,
                          tokenizer_dir=tokenizer_dir, **overrides)
@@ -330,8 +363,9 @@ def _step_profiler_class():
         On a GPU it also lists where that step made the host wait for the GPU (torch's sync debug mode: .item(),
         blocking copies, ...; explicit synchronize calls are not reported), by call site."""
 
-        def __init__(self, warmup: int, cuda: bool, rank: int = 0):
+        def __init__(self, warmup: int, cuda: bool, rank: int = 0, vocab: int = 0):
             self.warmup, self.cuda, self.rank, self.prof, self.summary = warmup, cuda, rank, None, {}
+            self.vocab = vocab  # tells the loss head's matmuls apart (scripts/step_breakdown.py)
             self.syncs, self.catcher = {}, None
             import torch
 
@@ -357,7 +391,9 @@ def _step_profiler_class():
                     torch.cuda.synchronize()
                 acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
                 # FREETUNE_PROFILE_TRACE=folder: the step's Chrome trace, with Python stacks, written there.
-                self.prof = profile(activities=acts, with_stack=bool(os.environ.get("FREETUNE_PROFILE_TRACE")))
+                # record_shapes: the breakdown tells LoRA and loss-head matmuls by their operands' shapes
+                self.prof = profile(activities=acts, with_stack=bool(os.environ.get("FREETUNE_PROFILE_TRACE")),
+                                    record_shapes=self.cuda)
                 self.prof.__enter__()
                 if self.cuda:
                     import warnings
@@ -382,6 +418,10 @@ def _step_profiler_class():
             self.prof.__exit__(None, None, None)
             events = self.prof.events()
             kernels = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")]
+            # not inductor's "## Call CompiledFxGraph" ranges on the GPU's timeline: their kernels are counted already
+            from scripts.step_breakdown import is_annotation
+
+            kernels = [e for e in kernels if not is_annotation(e.name)]
             busy = sum(getattr(e, "device_time", 0) or 0 for e in kernels) / 1e6
             aten = sum(1 for e in events if e.name.startswith("aten::"))
             self.summary = {"wall_s": round(wall, 4), "gpu_busy_s": round(busy, 4),
@@ -389,6 +429,10 @@ def _step_profiler_class():
                             "kernels": len(kernels), "aten_calls": aten}
             if self.cuda:
                 self.summary["host_syncs"] = dict(sorted(self.syncs.items(), key=lambda kv: -kv[1]))
+                from scripts.step_breakdown import breakdown, text
+
+                self.summary["breakdown"] = breakdown(self.prof, LORA_RANK, self.vocab)
+                print(f"rank {self.rank}: {text(self.summary['breakdown'])}", flush=True)
             trace_dir = os.environ.get("FREETUNE_PROFILE_TRACE")
             if trace_dir:
                 self.prof.export_chrome_trace(str(Path(trace_dir) / f"trace-{os.getpid()}-rank{self.rank}.json"))
@@ -451,7 +495,7 @@ def run_one(job: dict) -> dict:
     # The profiled step comes after the measured ones: the profiler's own overhead stays out of the timings. Every
     # rank profiles the same step (under DDP the ranks wait for each other, so one rank's wait is the other's work);
     # the report keeps rank 0's summary, the log has every rank's tables.
-    profiler = _step_profiler_class()(total_steps, cuda, ctx.rank) if job.get("profile") else None
+    profiler = _step_profiler_class()(total_steps, cuda, ctx.rank, shape.vocab) if job.get("profile") else None
     callbacks = ddp_experiment_callbacks + [timer] + ([profiler] if profiler is not None else [])
     history = train_run(job, model, tokenizer, dataset, config, plan, paths, callbacks, ctx)
     if not ctx.is_main:
@@ -989,8 +1033,20 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "it (its system prompt, Qwen2.5's chat template and tokenizer), the plan sized from its "
                              "longest row as the recipe's replan does: the memory estimate against the peak on the "
                              "rows the embedded default trains on")
+    parser.add_argument("--row-lengths", default="",
+                        help="the synthetic rows' lengths in tokens, 'MIN,MAX' (uniform; cut at 1,024) or 'max': every "
+                             "row at max_length, the GPU-bound case (default: the mode's own, 300,1200; t4_8b's "
+                             "150,500)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.row_lengths:
+        try:
+            parse_row_lengths(args.row_lengths)
+        except ValueError as exc:
+            parser.error(str(exc))
+    modes = set(args.modes.split(",")) - set(MODES)
+    if modes:
+        parser.error(f"--modes: no mode called {', '.join(sorted(modes))}; pick from {', '.join(MODES)}")
     unknown = set(args.runs.split(",")) - set(RUNS + PEER_RUNS)
     if unknown:
         parser.error(f"--runs: no run called {', '.join(sorted(unknown))}; pick from {', '.join(RUNS + PEER_RUNS)}")
@@ -1050,8 +1106,8 @@ def make_jobs(args: argparse.Namespace, work: Path, device: str, gpus: int) -> t
     else:
         modes = {m: MODES[m] for m in args.modes.split(",")}
         # Warm-up: the first steps grow the allocator to the batch shapes (packed lengths vary every step).
-        lengths, max_length, steps = (300, 1200), 1024, dict(free_tier=(1, 3), plain_best=(3, args.steps),
-                                                             freetune=(3, args.steps))
+        lengths, max_length, steps = None, MAX_LENGTH, dict(free_tier=(1, 3), plain_best=(3, args.steps),
+                                                            freetune=(3, args.steps))
     not_qwen = [mode for mode, spec in modes.items() if shape_of(spec["shape"]).vocab < QWEN_PADDED_VOCAB]
     if args.rows == "svg_sample" and not_qwen:  # before any model is built or the matmul rate measured
         raise SystemExit(f"--rows svg_sample: Qwen2.5's token ids need a Qwen2.5 shape (--modes uncapped,t4), "
@@ -1060,8 +1116,9 @@ def make_jobs(args: argparse.Namespace, work: Path, device: str, gpus: int) -> t
     peak = measure_matmul_tflops(device)
     report = {"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "gpus": gpus,
               "torch": torch.__version__, "matmul_tflops": {k: round(v, 3) for k, v in peak.items()},
-              "rows": {"source": args.rows, "lengths": lengths, "max_length": max_length, "lora_rank": LORA_RANK,
-                       "rows_per_gpu_step": ROWS_PER_STEP},
+              "rows": {"source": args.rows, "lengths": {m: mode_lengths(args, spec, lengths)
+                                                        for m, spec in modes.items()},
+                       "max_length": max_length, "lora_rank": LORA_RANK, "rows_per_gpu_step": ROWS_PER_STEP},
               "scheduling": "parallel (one single-GPU run per GPU at a time)" if args.parallel else "sequential",
               "runs": []}
     print(f"{report['device']} x {max(gpus, 1)}: matmul {report['matmul_tflops']} TFLOP/s", flush=True)
@@ -1079,9 +1136,11 @@ def make_jobs(args: argparse.Namespace, work: Path, device: str, gpus: int) -> t
     for mode, spec in modes.items():
         shape = shape_of(spec["shape"])
         model_dir = build_model(shape, work / f"model-{shape.name}", tokenizer_dir, device)
-        rows_file = sample_file or work / f"rows-{shape.name}.json"
+        low, high = mode_lengths(args, spec, lengths)
+        # the lengths in the name: a warm machine's rows of other lengths are not these
+        rows_file = sample_file or work / f"rows-{shape.name}-{low}-{high}.json"
         if not rows_file.exists():
-            rows_file.write_text(json.dumps(synthetic_rows(256, shape.vocab, lengths)))
+            rows_file.write_text(json.dumps(synthetic_rows(256, shape.vocab, (low, high))))
         runs = [(run, {}) for run in RUNS + PEER_RUNS if run in args.runs.split(",")]
         runs += [(f"freetune[{label}]", overrides) for label, overrides in parse_variants(args.variants)]
         if args.like_for_like:
@@ -1105,6 +1164,15 @@ def make_jobs(args: argparse.Namespace, work: Path, device: str, gpus: int) -> t
     # A variant of DDP settings only runs under DDP; its efficiency is against freetune's 1-GPU run.
     jobs = in_rounds([j for j in jobs if not ddp_only(j["overrides"])], args.rounds)
     return report, jobs, ddp_jobs
+
+
+def mode_lengths(args: argparse.Namespace, spec: dict, tiny: tuple[int, int] | None) -> tuple[int, int]:
+    """The synthetic rows' lengths of a mode: --tiny's, else --row-lengths, else the mode's own, else ROW_LENGTHS."""
+    if tiny:
+        return tiny
+    if args.row_lengths:
+        return parse_row_lengths(args.row_lengths)
+    return spec.get("lengths", ROW_LENGTHS)
 
 
 class Schedule:
@@ -1304,7 +1372,7 @@ def summarise(report: dict) -> None:
     peak_tflops = report["matmul_tflops"].get("bf16") or report["matmul_tflops"].get("fp32")
     by_key = {(r["mode"], r["run"], r["world_size"]): r for r in report["runs"] if "tokens_per_s" in r}
     for (mode, run, world), r in by_key.items():
-        n = matmul_flops_per_token(shape_of(_shape_key(r["model_shape"])))
+        n = matmul_flops_per_token(shape_named(r["model_shape"]))
         per_gpu = r["tokens_per_s"] / world
         r["mfu_6n"] = round(6 * n * per_gpu / (peak_tflops * 1e12), 4)
         r["mfu_4n"] = round(4 * n * per_gpu / (peak_tflops * 1e12), 4)
@@ -1391,10 +1459,6 @@ def loss_agreement(runs: list[dict]) -> list[str]:
                          f"difference {max(abs(a - b) for a, b in pairs):.3f} (first step {pairs[0][1]:.3f} vs "
                          f"{pairs[0][0]:.3f})")
     return lines
-
-
-def _shape_key(name: str) -> str:
-    return {"Qwen2.5-1.5B": "qwen2.5-1.5b", "TinyLlama-1.1B": "tinyllama-1.1b"}.get(name, "tiny")
 
 
 def table(report: dict) -> str:

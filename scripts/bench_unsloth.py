@@ -124,7 +124,7 @@ def make_trainer(job: dict, model, tokenizer, run_dir: Path, callbacks: list, cu
     # Cut at max_length as freetune's runs cut them. Unsloth's trainer cuts pre-tokenized rows itself for
     # padding-free batches, and turns padding-free off where it cannot: never here.
     rows = [row[:job["max_length"]] for row in json.loads(Path(job["rows"]).read_text())]
-    total = job["warmup"] + job["steps"]
+    total = job["warmup"] + job["steps"] + (1 if job.get("profile") else 0)  # the profiled step after the measured
     checkpointing, padding_free = SETTINGS[job["run"]]
     config = SFTConfig(
         output_dir=str(run_dir / "checkpoints"), max_steps=total, per_device_train_batch_size=8,
@@ -290,6 +290,40 @@ def peaks(cuda: bool) -> dict:
             "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 3)}
 
 
+def profile_callback(step: int, vocab: int):
+    """A TrainerCallback that profiles optimizer step `step` + 1 (after the measured ones, as bench.py's StepProfiler
+    does for freetune's runs): wall time, the GPU's busy time, and where that time went (scripts/step_breakdown.py)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import TrainerCallback
+
+    from step_breakdown import breakdown, text
+
+    class StepProfile(TrainerCallback):
+        prof, t0, summary = None, 0.0, {}
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == step and self.prof is None:
+                torch.cuda.synchronize()
+                self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True)
+                self.prof.__enter__()
+                self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if self.prof is None or self.summary or state.global_step != step + 1:
+                return
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - self.t0
+            self.prof.__exit__(None, None, None)
+            parts = breakdown(self.prof, LORA_RANK, vocab)
+            busy = parts["total_ms"] / 1000
+            self.summary = {"wall_s": round(wall, 4), "gpu_busy_s": round(busy, 4),
+                            "gpu_busy_share": round(busy / wall, 3) if wall else None, "breakdown": parts}
+            print(f"unsloth: profile of step {state.global_step}: wall {wall:.3f} s\n{text(parts)}", flush=True)
+
+    return StepProfile()
+
+
 def run(job: dict) -> dict:
     run_dir = Path(job["work"]) / f"{job['mode']}-{job['run']}-1"
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh folder (and generated code) per run, as bench.py's runs
@@ -306,7 +340,8 @@ def run(job: dict) -> dict:
     model, tokenizer = load(job, (torch.bfloat16 if bf16 else torch.float16) if cuda else None)
     warmup, total = job["warmup"], job["warmup"] + job["steps"]
     marks = marks_callback(warmup, total, cuda)
-    trainer = make_trainer(job, model, tokenizer, run_dir, [marks], cuda, bf16)
+    profiler = profile_callback(total, model.config.vocab_size) if job.get("profile") and cuda else None
+    trainer = make_trainer(job, model, tokenizer, run_dir, [marks] + ([profiler] if profiler else []), cuda, bf16)
     tokens = count_tokens(trainer, job["max_length"])
     load_peak = peaks(cuda)
     if cuda:
@@ -334,6 +369,7 @@ def run(job: dict) -> dict:
         "losses": [round(h["loss"], 4) for h in trainer.state.log_history if "loss" in h],
         "load_peak": load_peak, **memory, "versions": {**versions, "torch": torch.__version__},
         **({"gpu": torch.cuda.get_device_name(0)} if cuda else {}),
+        **({"profile": profiler.summary} if profiler is not None and profiler.summary else {}),
     }
 
 

@@ -115,11 +115,12 @@ def test_rounds_alternate_the_order_and_each_run_reports_its_median_rate_and_hig
     # The targets read the medians: 120 / 75 = 1.6x at a peak of 1.31 against 1.35 GiB.
     targets = bench.peer_targets(list(merged.values()))
     assert targets[0]["met"] is True and "1.60x" in targets[0]["detail"]
-    # Each mode's freetune run trains with its recipe's LoRA dropout (4gb: tiny_4gb's; the others: svg_coder's).
+    # Each mode's freetune run trains with its recipe's LoRA dropout (4gb: tiny_4gb's; t4_8b: home_assistant's; the
+    # others: svg_coder's).
     assert bench.recipe_default("tiny_4gb", "lora_dropout") == 0.0
     assert bench.recipe_default("svg_coder", "lora_dropout") == 0.05
     assert {m: spec["recipe"] for m, spec in bench.MODES.items()} == {
-        "uncapped": "svg_coder", "t4": "svg_coder", "4gb": "tiny_4gb"}
+        "uncapped": "svg_coder", "t4": "svg_coder", "4gb": "tiny_4gb", "t4_8b": "home_assistant"}
     # End to end on a CPU: two rounds of the tiny freetune run, both kept, one median in the table's run.
     out = tmp_path / "rounds.json"
     done = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--tiny", "--work", str(tmp_path),
@@ -279,8 +280,9 @@ def test_the_peer_worker_imports_nothing_from_freetune(tmp_path):
         return names - set(sys.stdlib_module_names)
 
     worker = REPO / "scripts" / "bench_unsloth.py"
-    assert imports(worker) == {"torch", "unsloth", "transformers", "trl", "datasets", "gc_pauses"}
-    assert imports(REPO / "scripts" / "gc_pauses.py") == set()  # its sibling module: the standard library only
+    assert imports(worker) == {"torch", "unsloth", "transformers", "trl", "datasets", "gc_pauses", "step_breakdown"}
+    for sibling in ("gc_pauses.py", "step_breakdown.py"):  # its sibling modules: the standard library only
+        assert imports(REPO / "scripts" / sibling) == set(), sibling
     # Run as bench.py runs it, but with no site-packages and nothing of the repository on the path: it gets as far as
     # needing torch (no freetune module was asked for), and leaves the failed-run row bench.py's table prints.
     job = {"mode": "t4", "run": "unsloth", "precision": "fp16", "work": str(tmp_path), "result": str(tmp_path / "r.json")}
@@ -369,3 +371,68 @@ def test_the_svg_sample_rows_are_svg_coders_chats_and_the_plan_is_sized_from_the
                           capture_output=True, text=True, timeout=120, cwd=REPO)
     assert done.returncode != 0 and "not mode 4gb" in done.stderr, done.stderr[-2000:]
     assert not (tmp_path / "out.json").exists() and not (tmp_path / "work" / "model-TinyLlama-1.1B").exists()
+
+
+def test_the_row_length_option_and_the_8b_mode_set_the_rows_and_bad_values_are_refused_before_any_work():
+    """Issue 49: --row-lengths MIN,MAX or 'max' (every row at max_length), the t4_8b mode's own 150-500 tokens; a bad
+    value or mode stops argparse with what to give (exit 2, nothing built)."""
+    bench = load_bench()
+    assert bench.parse_row_lengths("max") == (1024, 1024) and bench.parse_row_lengths("300,1200") == (300, 1200)
+    for bad, said in (("5,2", "1 <= MIN <= MAX"), ("long", "give MIN,MAX"), ("0,10", "1 <= MIN")):
+        done = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--row-lengths", bad],
+                              capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert done.returncode == 2 and said in done.stderr, done.stderr[-500:]
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--modes", "t4,8b"],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 2 and "no mode called 8b; pick from uncapped, t4, 4gb, t4_8b" in done.stderr
+    args = bench.parse_args(["--modes", "t4_8b,t4"])
+    assert bench.mode_lengths(args, bench.MODES["t4_8b"], None) == (150, 500)
+    assert bench.mode_lengths(args, bench.MODES["t4"], None) == bench.ROW_LENGTHS
+    args = bench.parse_args(["--modes", "t4_8b", "--row-lengths", "max"])
+    assert bench.mode_lengths(args, bench.MODES["t4_8b"], None) == (1024, 1024)
+    assert bench.shape_of(bench.MODES["t4_8b"]["shape"]).name == "Qwen3-8B"
+
+
+def test_mfu_is_computed_from_the_runs_own_shape_the_8b_one_included():
+    """The Qwen3-8B runs' MFU read 0.0% (their shape was looked up as the tiny one): N is now the run's own shape's."""
+    bench = load_bench()
+    run = {**_run("t4_8b", "freetune", 5_247.0, 6.22), "model_shape": "Qwen3-8B"}
+    report = {"matmul_tflops": {"bf16": 800.0}, "runs": [run, _run("t4", "freetune", 27_929.0, 10.57)]}
+    bench.summarise(report)
+    n_8b = bench.KNOWN_SHAPES["qwen3-8b"].quantized_params + 151936 * 4096
+    assert run["mfu_4n"] == round(4 * n_8b * 5_247.0 / 800e12, 4) and run["mfu_4n"] > 0.15
+    assert abs(run["mfu_6n"] - 1.5 * run["mfu_4n"]) < 1e-4
+    assert re.search(rf"t4_8b .* {run['mfu_6n']:.1%} +{run['mfu_4n']:.1%}", bench.table(report))
+    import pytest
+
+    with pytest.raises(KeyError, match="no shape named 'Qwen9'"):
+        bench.shape_named("Qwen9")
+
+
+def test_the_step_breakdown_sorts_kernels_by_what_they_do_and_when():
+    """scripts/step_breakdown.py's rules (bench.py --profile, both tools' workers): a matmul with the LoRA rank or the
+    vocabulary among its operands' dimensions is LoRA's or the loss head's; a forward op met inside the backward is
+    checkpointing's recompute."""
+    from scripts import step_breakdown as sb
+
+    assert sb.category_of("nvjet_hsh_128x256_64x4", ["aten::mm"], [[8192, 16], [16, 1536]], 16, 151936) == \
+        "matmul (LoRA)"
+    assert sb.category_of("sm90_xmma_gemm_f16f16", ["aten::mm"], [[4096, 1536], [1536, 151936]], 16, 151936) == \
+        "matmul (loss head)"
+    assert sb.category_of("sm90_xmma_gemm_f16f16", ["aten::mm"], [[8192, 1536], [1536, 8960]], 16, 151936) == \
+        "matmul (base weights)"
+    assert sb.category_of("fmha_cutlassB_f16", ["aten::_efficient_attention_backward"], [], 16, 1) == "attention"
+    assert sb.category_of("_nf4_nested_kernel", ["freetune::dequantized_mm"], [], 16, 1) == "4-bit dequantisation"
+    assert sb.category_of("kDequantizeBlockwise", ["bitsandbytes::dequantize_4bit"], [], 16, 1) == \
+        "4-bit dequantisation"
+    assert sb.phase_of(["aten::mm", "MmBackward0", "autograd::engine::evaluate_function: MmBackward0"]) == "backward"
+    assert sb.phase_of(["aten::mm", "aten::linear", "autograd::engine::evaluate_function: CheckpointBackward"]) == \
+        "recompute"
+    assert sb.phase_of(["triton_poi_fused_0", "CompiledFunction", "evaluate_function: XBackward0"]) == "recompute"
+    assert sb.phase_of(["triton_poi_fused_0", "CompiledFunctionBackward"]) == "backward"
+    assert sb.phase_of(["aten::mm", "aten::linear"]) == "forward"
+    # a custom backward's `@` is the backward, not a recompute; a checkpoint node's own forward ops are the recompute
+    assert sb.phase_of(["aten::mm", "aten::matmul", "FusedLoRABackward", "evaluate_function: FusedLoRABackward"]) == \
+        "backward"
+    assert sb.phase_of(["aten::mm", "aten::matmul", "Unsloth_Offloaded_Gradient_CheckpointerBackward"]) == "recompute"
+    assert sb.phase_of(["aten::_foreach_add_", "Optimizer.step#AdamW.step"]) == "optimizer"
