@@ -129,7 +129,8 @@ def _text_findings(completions: list[str], asked: list[str], turns: "_Turns", *,
     found: dict = {}
     content = _content_findings(turns, set(), found)
     named = {i for f in content for i in f.rows}
-    label_groups = {t: kept for t, r in groups.items() if (kept := [i for i in r if i not in named])}
+    label_groups = {t: kept for t, r in groups.items()
+                    if (kept := r if named.isdisjoint(r) else [i for i in r if i not in named])}
     answered = sum(len(r) for r in label_groups.values())
     classes = label_classes(label_groups, answered, repeat_min_rows)
     repeats = _repeat_findings(completions, asked.__getitem__, repeat_min_rows=repeat_min_rows,

@@ -70,8 +70,12 @@ def _completion_starts(encode: _Encoder, prompts: list[str], fulls: list[str], s
     return full_ids, [_common_prefix(p, f) for p, f in zip(prompt_ids, full_ids)]
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def _common_prefix(a, b) -> int:
+    """How many ids two lists (or numpy arrays, from the twin) share at the start."""
     n = min(len(a), len(b))
+    if not isinstance(a, list):
+        differ = (a[:n] != b[:n]).nonzero()[0]
+        return int(differ[0]) if len(differ) else n
     if a[:n] == b[:n]:
         return n
     return next(i for i in range(n) if a[i] != b[i])
@@ -121,17 +125,12 @@ def _tokenised(tokenizer, rows: list[dict], shape: str, assistant_only: bool):
     return chat_batches(), loss_on, encode
 
 
-def _holds(ids: list[int], token: int | None, start: int, end: int) -> bool:
-    """Whether ids[start:end] holds the token (the EOS is usually last: looked at first)."""
+def _holds(ids, token: int | None, start: int, end: int) -> bool:
+    """Whether ids[start:end] (a list, or a numpy array from the twin) holds the token (the EOS is usually last:
+    looked at first)."""
     if token is None:
         return False
-    if ids[end - 1] == token:
-        return True
-    try:
-        ids.index(token, start, end)
-        return True
-    except ValueError:
-        return False
+    return bool(ids[end - 1] == token) or token in ids[start:end]
 
 
 def _token_findings(tokenizer, rows: list[dict], shape: str, max_length: int | None, assistant_only: bool
@@ -149,7 +148,7 @@ def _token_findings(tokenizer, rows: list[dict], shape: str, max_length: int | N
                 trainable.append(count)
                 has_eos.append(count > 0 and _holds(ids, eos_id, trained_spec, end))
                 if tail is None and count and end == len(ids):
-                    tail = ids[max(trained_spec, end - 3):end]
+                    tail = [int(i) for i in ids[max(trained_spec, end - 3):end]]
                 continue
             trained = list(compress(ids[:end], trained_spec[:end]))
             trainable.append(len(trained))
