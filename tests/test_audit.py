@@ -340,6 +340,36 @@ def test_token_counts_match_trl(tokenizer, tiny_model_dir, tmp_path):
     assert everything.tokens["trainable_tokens"]["total"] == sum(min(n, MAX_LENGTH) for n in lengths)
 
 
+def test_unreadable_rows_accepted_without_cleaning_cannot_stop_training(tokenizer, tiny_model_dir, tmp_path, capsys):
+    """auto_clean=False, accept_problems=True keeps what the user accepted, but not the rows no trainer can read:
+    kept, they stopped TRL's data preparation (after the model loaded). Now they are dropped, saying so and where."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from trl import SFTConfig, SFTTrainer
+
+    turns = [[{"role": "user", "content": f"Question {i}: what is {i} + {i}?"},
+              {"role": "assistant", "content": f"The answer to question {i} is {2 * i}."}] for i in range(12)]
+    turns[3][1]["content"] = 42
+    turns[7][1]["role"] = "bot"
+    path = tmp_path / "chats.jsonl"
+    path.write_text("\n".join(json.dumps({"messages": t}) for t in turns))
+    rows = normalize(load_rows(str(path)))
+    kept, report, summary = audit_and_clean(rows, auto_clean=False, accept_problems=True, tokenizer=tokenizer,
+                                            max_length=MAX_LENGTH, source=str(path))
+    out = capsys.readouterr().out
+    assert "Dropped 2 rows that no trainer can read, although auto_clean=False" in out
+    assert "row 3: messages[1].content is int 42, not text" in out
+    assert len(kept) == summary.rows_after == 10 and report.finding("malformed") is None
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    config = SFTConfig(output_dir=str(tmp_path / "run"), max_length=MAX_LENGTH, use_cpu=True, report_to=[],
+                       assistant_only_loss=True)
+    trained = SFTTrainer(model=model, args=config, train_dataset=kept, processing_class=tokenizer).train_dataset
+    assert len(trained) == 10
+    with pytest.raises(TypeError, match="concatenate str"):  # the same rows kept as they were: TRL stops
+        SFTTrainer(model=model, args=config, train_dataset=rows, processing_class=tokenizer)
+
+
 def test_tiktoken_twin_gives_the_tokenizers_ids(tokenizer, home_assistant_sample, monkeypatch):
     tiktoken = pytest.importorskip("tiktoken")
     import freetune.audit.twin as audit_module

@@ -101,8 +101,26 @@ def audit_and_clean(dataset, *, auto_clean: bool, accept_problems: bool, **audit
         if report.blocking:
             print()
             report.display()
+    elif accept_problems and report.finding("malformed") is not None:
+        dataset, report, summary = _drop_unreadable(dataset, report, audit_kwargs)
     enforce(report, accept_problems)
     return dataset, report, summary
+
+
+def _drop_unreadable(dataset, report: AuditReport, audit_kwargs: dict):
+    """auto_clean=False with accept_problems=True keeps every row the user accepted, except those no trainer can
+    read: kept, the first of them would stop training after the model loaded (TRL's chat template raises on it).
+    Dropped, saying so and where to fix them; returns (data set, its report, CleanSummary)."""
+    unreadable = report.finding("malformed")
+    dataset, summary = clean(dataset, report, drop=("malformed",))
+    print(f"\nDropped {_n(unreadable.count, 'row')} that no trainer can read, although {CLEAN_PARAMETER}=False: "
+          f"kept, the first of them would stop training after the model loaded. The other accepted problems stay. "
+          f"To train on these rows, fix them in the data set, e.g. {unreadable.details['examples'][0]}.")
+    summary.display()
+    if len(dataset) == 0:
+        raise FreetuneError(f"None of the {report.rows:,} rows can be read by a trainer (see the table above), so "
+                            f"nothing is left to train on. {_what_to_change(report)}")
+    return dataset, audit(dataset, **audit_kwargs), summary
 
 
 def _what_to_change(report) -> str:
