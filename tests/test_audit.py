@@ -17,6 +17,7 @@ datasets = pytest.importorskip("datasets")
 
 from freetune.audit import (ACCEPT_PARAMETER, WHY_REPEATS_DOMINATE, AuditReport, audit, audit_and_clean, clean,
                             enforce, main)
+from freetune.audit.tokens import _row_tokens
 from freetune.data import load_rows, normalize
 from freetune.errors import FreetuneError
 
@@ -219,11 +220,19 @@ def test_enforce_stops_and_names_the_parameter(report, capsys):
     assert "WARNING" in capsys.readouterr().out
 
 
-def test_audit_and_clean_in_one_call(contaminated, tokenizer, capsys):
+def test_audit_and_clean_in_one_call(contaminated, tokenizer, capsys, monkeypatch):
+    import freetune.audit.run as run_module
+
     train, evaluation = contaminated
     kwargs = dict(tokenizer=tokenizer, max_length=MAX_LENGTH, checks=CHECKS, eval_dataset=evaluation)
+    tokenised = []
+    monkeypatch.setattr(run_module, "_row_tokens", lambda *args: tokenised.append(args) or _row_tokens(*args))
     cleaned, after, summary = audit_and_clean(train, auto_clean=True, accept_problems=False, **kwargs)
     assert len(cleaned) == 201 and after.blocking == [] and summary.rows_after == 201
+    # The audit of the cleaned rows took their token counts from the first audit instead of tokenising them again,
+    # and reports exactly what tokenising them again does.
+    assert len(tokenised) == 1
+    assert after.to_json() == audit(cleaned, **kwargs).to_json() and len(tokenised) == 2
     out = capsys.readouterr().out
     assert "repeated short completion" in out and WHY_REPEATS_DOMINATE in out
     # The rows auto-clean drops are shown as dropped: "blocking" is kept for what stops the run.
