@@ -1,6 +1,6 @@
 """Benchmark the data audit on a large synthetic SVG data set: how long each phase takes.
 
-The target (issue 5): a 100,000-row data set audits in well under a minute on a 2-core machine. The rows are
+The target (issue 45): a 100,000-row data set audits in under 15 s with a tokenizer on a 2-core machine. The rows are
 shaped like thesantatitan/deepseek-svg-dataset (a description -> SVG code, a few hundred to a few thousand
 characters) with the junk a real set carries: the pipeline's error string, empty answers, broken SVG, exact
 copies, and a few answers too long for max_length. The tokenizer is the tiny fixture model's, which is Qwen2.5's
@@ -9,6 +9,7 @@ real tokenizer, so token counts are the real ones.
 Usage: python scripts/bench_audit.py [--rows 100000] [--max-length 1024] [--no-checks]
        taskset -c 0,1 python scripts/bench_audit.py     # a 2-core machine, on a bigger idle one
        python scripts/bench_audit.py --shapes [--rows 1000] [--share 0.02]
+       python scripts/bench_audit.py --fingerprint [--rows 100000]   # before and after a change made for speed
 
 --shapes measures what the audit keeps and drops instead of how fast (issue 45): 13 data-set shapes people
 fine-tune on (scripts/audit_shapes.py), each audited clean and with every kind of junk planted at --share of the
@@ -16,7 +17,8 @@ rows, then cleaned and audited again as the recipes do. Per shape: legit rows dr
 junk kind the planted rows no finding names. Targets: 0 legit rows dropped and no stop on any clean set; >= 95%
 of planted junk dropped or named, per kind.
 
-Wall time depends on what else the machine runs (the load average is printed); the CPU time does much less.
+Wall time depends on what else the machine runs (the load average is printed); the CPU time does much less, so
+it is the figure to compare between runs on a shared machine (docs/audit.md has the measurements).
 """
 
 from __future__ import annotations
@@ -118,6 +120,48 @@ def shapes_table(rows: int, shares: list[float]) -> None:
           + (measure(next(iter(SHAPES)), n=rows)["clean"]["labels"] or "no label set"))
 
 
+def fingerprint(rows: int) -> str:
+    """A hash of the reports (and cleaning summaries) of the 13 shapes, clean and planted at 1% and 5%, with and
+    without the tokenizer (chats too, the SVG shape with its checks), and of `rows` bench rows: a change made for
+    speed must leave it as it was (run it before and after)."""
+    import hashlib
+
+    import datasets
+
+    from freetune.audit import audit, clean
+    from freetune.tasks.svg import AUDIT_CHECKS
+    from scripts.audit_shapes import SHAPES, legit_rows, plant
+
+    tokenizer, digest = _tokenizer(), hashlib.sha256()
+
+    def add(data: list[dict], **kwargs) -> None:
+        dataset = datasets.Dataset.from_list(data)
+        report = audit(dataset, **kwargs)
+        digest.update(report.to_json().encode() + str(clean(dataset, report)[1]).encode())
+
+    for shape in SHAPES:
+        for share in (0.0, 0.01, 0.05):
+            data = plant(legit_rows(shape, 400), shape, share)[0] if share else legit_rows(shape, 400)
+            add(data)
+            add(data, tokenizer=tokenizer, max_length=96, checks=AUDIT_CHECKS if shape == "SVG" else None)
+            if "messages" in data[0]:  # loss on every token
+                add(data, tokenizer=tokenizer, max_length=96, assistant_only=False)
+            else:  # the same rows as chats
+                add([{"prompt": [{"role": "user", "content": r["prompt"]}],
+                      "completion": [{"role": "assistant", "content": r["completion"]}]} for r in data],
+                    tokenizer=tokenizer, max_length=96)
+    add(synthetic_rows(rows)[0], tokenizer=tokenizer, max_length=1024, checks=AUDIT_CHECKS)
+    return digest.hexdigest()
+
+
+def _tokenizer():
+    from transformers import AutoTokenizer
+
+    from freetune.fixtures import cached_tiny_model
+
+    return AutoTokenizer.from_pretrained(str(cached_tiny_model("qwen2")))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=None, help="rows (default 100,000; 1,000 with --shapes)")
@@ -126,7 +170,12 @@ def main() -> None:
     parser.add_argument("--shapes", action="store_true", help="what the audit keeps and drops on 13 shapes")
     parser.add_argument("--share", type=float, nargs="+", default=[0.01, 0.02, 0.05],
                         help="with --shapes: the shares of rows planted with each kind of junk")
+    parser.add_argument("--fingerprint", action="store_true",
+                        help="print a hash of the reports on the shapes and --rows bench rows (speed changes keep it)")
     args = parser.parse_args()
+    if args.fingerprint:
+        print(f"audit fingerprint: {fingerprint(args.rows or 100_000)}")
+        return
     if args.shapes:
         shapes_table(args.rows or 1000, args.share)
         return
@@ -134,17 +183,16 @@ def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
 
     import datasets
-    from transformers import AutoTokenizer
 
     from freetune.audit import audit, clean
-    from freetune.fixtures import cached_tiny_model
     from freetune.tasks.svg import AUDIT_CHECKS
 
     rows, junk = synthetic_rows(args.rows)
     dataset = datasets.Dataset.from_list(rows)
-    tokenizer = AutoTokenizer.from_pretrained(str(cached_tiny_model("qwen2")))
+    tokenizer = _tokenizer()
     checks = None if args.no_checks else AUDIT_CHECKS
 
+    load_before = os.getloadavg()[0]
     wall0, cpu0 = time.perf_counter(), cpu_seconds()
     report = audit(dataset, tokenizer=tokenizer, max_length=args.max_length, checks=checks)
     audit_wall, audit_cpu = time.perf_counter() - wall0, cpu_seconds() - cpu0
@@ -155,8 +203,8 @@ def main() -> None:
     load = os.getloadavg()[0]
     cores = len(os.sched_getaffinity(0))
     checked = "none" if checks is None else ", ".join(sorted(checks))
-    print(f"Audit of {len(dataset):,} synthetic SVG rows on {cores} CPU cores, load average {load:.1f} when it "
-          f"ended (max_length {args.max_length}, checks: {checked})")
+    print(f"Audit of {len(dataset):,} synthetic SVG rows on {cores} CPU cores, load average {load_before:.1f} when "
+          f"it started, {load:.1f} when it ended (max_length {args.max_length}, checks: {checked})")
     print("  planted junk: " + ", ".join(f"{k} {v:,}" for k, v in junk.items()))
     print(f"{'phase':<16}{'seconds':>9}")
     for phase, seconds in report.timings.items():

@@ -17,6 +17,7 @@ datasets = pytest.importorskip("datasets")
 
 from freetune.audit import (ACCEPT_PARAMETER, WHY_REPEATS_DOMINATE, AuditReport, audit, audit_and_clean, clean,
                             enforce, main)
+from freetune.audit.tokens import _row_tokens
 from freetune.data import load_rows, normalize
 from freetune.errors import FreetuneError
 
@@ -219,11 +220,19 @@ def test_enforce_stops_and_names_the_parameter(report, capsys):
     assert "WARNING" in capsys.readouterr().out
 
 
-def test_audit_and_clean_in_one_call(contaminated, tokenizer, capsys):
+def test_audit_and_clean_in_one_call(contaminated, tokenizer, capsys, monkeypatch):
+    import freetune.audit.run as run_module
+
     train, evaluation = contaminated
     kwargs = dict(tokenizer=tokenizer, max_length=MAX_LENGTH, checks=CHECKS, eval_dataset=evaluation)
+    tokenised = []
+    monkeypatch.setattr(run_module, "_row_tokens", lambda *args: tokenised.append(args) or _row_tokens(*args))
     cleaned, after, summary = audit_and_clean(train, auto_clean=True, accept_problems=False, **kwargs)
     assert len(cleaned) == 201 and after.blocking == [] and summary.rows_after == 201
+    # The audit of the cleaned rows took their token counts from the first audit instead of tokenising them again,
+    # and reports exactly what tokenising them again does.
+    assert len(tokenised) == 1
+    assert after.to_json() == audit(cleaned, **kwargs).to_json() and len(tokenised) == 2
     out = capsys.readouterr().out
     assert "repeated short completion" in out and WHY_REPEATS_DOMINATE in out
     # The rows auto-clean drops are shown as dropped: "blocking" is kept for what stops the run.
@@ -338,6 +347,36 @@ def test_token_counts_match_trl(tokenizer, tiny_model_dir, tmp_path):
     lengths = [len(ids) for ids in tokenizer.apply_chat_template(list(turns["messages"]), tokenize=True,
                                                                  return_dict=True)["input_ids"]]
     assert everything.tokens["trainable_tokens"]["total"] == sum(min(n, MAX_LENGTH) for n in lengths)
+
+
+def test_unreadable_rows_accepted_without_cleaning_cannot_stop_training(tokenizer, tiny_model_dir, tmp_path, capsys):
+    """auto_clean=False, accept_problems=True keeps what the user accepted, but not the rows no trainer can read:
+    kept, they stopped TRL's data preparation (after the model loaded). Now they are dropped, saying so and where."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from trl import SFTConfig, SFTTrainer
+
+    turns = [[{"role": "user", "content": f"Question {i}: what is {i} + {i}?"},
+              {"role": "assistant", "content": f"The answer to question {i} is {2 * i}."}] for i in range(12)]
+    turns[3][1]["content"] = 42
+    turns[7][1]["role"] = "bot"
+    path = tmp_path / "chats.jsonl"
+    path.write_text("\n".join(json.dumps({"messages": t}) for t in turns))
+    rows = normalize(load_rows(str(path)))
+    kept, report, summary = audit_and_clean(rows, auto_clean=False, accept_problems=True, tokenizer=tokenizer,
+                                            max_length=MAX_LENGTH, source=str(path))
+    out = capsys.readouterr().out
+    assert "Dropped 2 rows that no trainer can read, although auto_clean=False" in out
+    assert "row 3: messages[1].content is int 42, not text" in out
+    assert len(kept) == summary.rows_after == 10 and report.finding("malformed") is None
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    config = SFTConfig(output_dir=str(tmp_path / "run"), max_length=MAX_LENGTH, use_cpu=True, report_to=[],
+                       assistant_only_loss=True)
+    trained = SFTTrainer(model=model, args=config, train_dataset=kept, processing_class=tokenizer).train_dataset
+    assert len(trained) == 10
+    with pytest.raises(TypeError, match="concatenate str"):  # the same rows kept as they were: TRL stops
+        SFTTrainer(model=model, args=config, train_dataset=rows, processing_class=tokenizer)
 
 
 def test_tiktoken_twin_gives_the_tokenizers_ids(tokenizer, home_assistant_sample, monkeypatch):

@@ -98,6 +98,18 @@ def test_svg_audit_checks(svg_sample):
     assert "not well-formed" in svg.AUDIT_CHECKS["svg_xml"](as_messages)
 
 
+@pytest.mark.parametrize("block", [
+    f'<svg {NS}><rect/></svg>', f'<svg {NS}><rect></svg>', f'<svg {NS}><rect', "", "<svg", "plain text",
+    f'<svg {NS}><text>a &amp; b &#x41;</text></svg>', f'<svg {NS}><text>&nbsp;</text></svg>',
+    f'<svg {NS}><inkscape:g/></svg>', f'<svg {NS} xmlns:i="urn:i"><i:g/></svg>', f'<svg {NS}></svg><svg/>',
+    f'<?xml version="1.0" encoding="ISO-8859-1"?><svg {NS}><!-- é --><![CDATA[<x>]]></svg>',
+    f'<!DOCTYPE svg [<!ENTITY c "#fff">]><svg {NS} fill="&c;"/>', f'<!DOCTYPE svg SYSTEM "x.dtd"><svg>&d;</svg>',
+    f'<svg {NS} a="1" a="2"/>', f'<svg {NS}>\x00</svg>', f'<svg {NS}><p:x xmlns:p=""/></svg>',
+])
+def test_the_fast_well_formedness_check_says_what_elementtree_says(block):
+    assert svg.xml_problem(block) == svg.parse_svg(block)[1]
+
+
 def test_side_by_side_png(tmp_path):
     cell = 120
     rows = [

@@ -49,16 +49,22 @@ def clean(dataset, report: AuditReport, drop: tuple[str, ...] | None = None):
         raise FreetuneError(f"The report describes {report.rows:,} rows but the data set has {len(dataset):,}: "
                             f"clean the data set that was audited.")
 
-    def selected(f: Finding) -> bool:
-        return f.severity == BLOCKING if drop is None else (f.kind in drop or f.id in drop)
-
-    remove = {i for f in report.findings if selected(f) for i in f.rows}
+    remove = _removed(report, drop)
     keep = [i for i in range(len(dataset)) if i not in remove]
     cleaned = dataset.select(keep) if remove else dataset
-    reasons = [{"id": f.id, "title": f.title, "severity": f.severity, "dropped": selected(f),
+    reasons = [{"id": f.id, "title": f.title, "severity": f.severity, "dropped": _selected(f, drop),
                 "before": f.count, "after": sum(1 for i in f.rows if i not in remove)}
                for f in report.findings if f.rows]
     return cleaned, CleanSummary(len(dataset), len(keep), reasons)
+
+
+def _selected(finding: Finding, drop: tuple[str, ...] | None) -> bool:
+    return finding.severity == BLOCKING if drop is None else (finding.kind in drop or finding.id in drop)
+
+
+def _removed(report: AuditReport, drop: tuple[str, ...] | None) -> set[int]:
+    """The rows clean(dataset, report, drop) drops."""
+    return {i for f in report.findings if _selected(f, drop) for i in f.rows}
 
 
 def _problem_lines(findings: list[Finding], total: int) -> str:
@@ -97,12 +103,39 @@ def audit_and_clean(dataset, *, auto_clean: bool, accept_problems: bool, **audit
         if len(dataset) == 0:
             raise FreetuneError(f"Every one of the {report.rows:,} rows has a blocking problem (see the table "
                                 f"above), so nothing is left to train on. {_what_to_change(report)}")
-        report = audit(dataset, **audit_kwargs)
+        report = audit(dataset, **audit_kwargs, row_tokens=_kept_counts(report))
         if report.blocking:
             print()
             report.display()
+    elif accept_problems and report.finding("malformed") is not None:
+        dataset, report, summary = _drop_unreadable(dataset, report, audit_kwargs)
     enforce(report, accept_problems)
     return dataset, report, summary
+
+
+def _drop_unreadable(dataset, report: AuditReport, audit_kwargs: dict):
+    """auto_clean=False with accept_problems=True keeps every row the user accepted, except those no trainer can
+    read: kept, the first of them would stop training after the model loaded (TRL's chat template raises on it).
+    Dropped, saying so and where to fix them; returns (data set, its report, CleanSummary)."""
+    unreadable = report.finding("malformed")
+    dataset, summary = clean(dataset, report, drop=("malformed",))
+    print(f"\nDropped {_n(unreadable.count, 'row')} that no trainer can read, although {CLEAN_PARAMETER}=False: "
+          f"kept, the first of them would stop training after the model loaded. The other accepted problems stay. "
+          f"To train on these rows, fix them in the data set, e.g. {unreadable.details['examples'][0]}.")
+    summary.display()
+    if len(dataset) == 0:
+        raise FreetuneError(f"None of the {report.rows:,} rows can be read by a trainer (see the table above), so "
+                            f"nothing is left to train on. {_what_to_change(report)}")
+    return dataset, audit(dataset, **audit_kwargs, row_tokens=_kept_counts(report, drop=("malformed",))), summary
+
+
+def _kept_counts(report: AuditReport, drop: tuple[str, ...] | None = None):
+    """The report's per-row token counts for the rows clean(dataset, report, drop) keeps: the audit of the cleaned
+    rows does not tokenise them again (on 100,000 SVG rows, most of an audit's work)."""
+    if report.row_tokens is None:
+        return None
+    removed = _removed(report, drop)
+    return report.row_tokens.subset([i for i in range(report.rows) if i not in removed])
 
 
 def _what_to_change(report) -> str:

@@ -85,7 +85,7 @@ REFUSAL_WORDS = ("sorry", "apolog", "unfortunately", "i can", "i won", "unable",
 
 def is_refusal(text: str) -> bool:
     head = text[:HEAD_CHARS].lower()
-    return any(word in head for word in REFUSAL_WORDS) and REFUSAL.search(head) is not None
+    return any(map(head.__contains__, REFUSAL_WORDS)) and REFUSAL.search(head) is not None
 
 
 def refusal_finding(completions: list[str]) -> Finding | None:

@@ -24,6 +24,7 @@ class AuditReport:
     timings: dict = field(default_factory=dict)   # seconds per phase; not part of to_dict (it varies)
     engine: str | None = None                     # what tokenised the rows (same ids either way; not in to_dict)
     labels: dict | None = None                    # a label set's classes ({"line", "classes": {answer: rows}})
+    row_tokens: object = field(default=None, compare=False)  # tokens.RowTokens: reused for a cleaned subset
 
     @property
     def longest_row(self) -> int | None:

@@ -15,13 +15,14 @@ from freetune.audit.language import language_finding
 from freetune.audit.rules import (_answer_groups, _check_findings, _duplicate_findings, _empty_finding,
                                   _overlap_finding, _repeat_findings, _short_finding)
 from freetune.audit.structure import malformed_finding, stand_in
-from freetune.audit.tokens import _load_tokenizer, _token_findings
+from freetune.audit.tokens import _load_tokenizer, _row_tokens, _token_findings
 from freetune.errors import FreetuneError
 
 
 def audit(dataset, *, tokenizer=None, max_length: int | None = None, checks: dict[str, Check] | None = None,
           eval_dataset=None, min_completion_chars: int = 8, repeat_min_rows: int = 3,
-          repeat_share_block: float = 0.005, assistant_only: bool = True, source: str | None = None) -> AuditReport:
+          repeat_share_block: float = 0.005, assistant_only: bool = True, source: str | None = None,
+          row_tokens=None) -> AuditReport:
     """Audit a normalised data set (see freetune.data.normalize); returns an AuditReport.
 
     tokenizer: a tokenizer, or a model folder / hub id to load it from as training does
@@ -35,6 +36,8 @@ def audit(dataset, *, tokenizer=None, max_length: int | None = None, checks: dic
     assistant_only: for `messages` rows, whether training puts the loss on assistant turns only (TRL's
         assistant_only_loss, counted with TRL's own assistant mask) or on every token. Pass what training uses.
     source: where the rows come from (the `dataset` parameter), named in messages about unreadable rows.
+    row_tokens: these rows' token counts from an earlier audit of a superset (RowTokens.subset, as audit_and_clean
+        passes them): used instead of tokenising again when they were counted with the same settings.
     """
     lap = _Laps()
     shape = _shape(dataset)
@@ -56,7 +59,10 @@ def audit(dataset, *, tokenizer=None, max_length: int | None = None, checks: dic
         tokens = None
         if tokenizer is not None:
             tokenizer = _load_tokenizer(tokenizer)
-            tokens = pool.submit(_token_findings, tokenizer, rows, shape, max_length, assistant_only)
+            if _counted_alike(row_tokens, (tokenizer, shape, max_length, assistant_only), len(rows)):
+                tokens = pool.submit(lambda: row_tokens)
+            else:
+                tokens = pool.submit(_row_tokens, tokenizer, rows, shape, max_length, assistant_only)
         findings, labels = _text_findings(completions, asked, _Turns(rows, completions, asked),
                                           min_completion_chars=min_completion_chars,
                                           repeat_min_rows=repeat_min_rows, repeat_share_block=repeat_share_block)
@@ -66,9 +72,10 @@ def audit(dataset, *, tokenizer=None, max_length: int | None = None, checks: dic
         findings += _check_findings(rows, dict(checks or {}))
         lap("recipe checks")
 
-        token_stats, engine = None, None
+        token_stats, counted = None, None
         if tokens is not None:
-            token_findings, token_stats, engine = tokens.result()
+            counted = tokens.result()
+            token_findings, token_stats = _token_findings(tokenizer, counted, max_length)
             findings += token_findings
         lap("tokens")
 
@@ -104,7 +111,14 @@ def audit(dataset, *, tokenizer=None, max_length: int | None = None, checks: dic
     counts = {key: found.get(key, 0) if ok else None for key, ok in measured.items()}
     lap.timings["total"] = sum(lap.timings.values())
     return AuditReport(len(rows), shape, settings, findings, _completion_chars(completions), token_stats, counts,
-                       lap.timings, engine, labels)
+                       lap.timings, counted.engine if counted else None, labels, counted)
+
+
+def _counted_alike(row_tokens, setup: tuple, rows: int) -> bool:
+    """Whether an earlier audit's token counts hold for these rows: the same tokenizer object, shape, max_length
+    and loss, and one count per row."""
+    return row_tokens is not None and len(row_tokens.lengths) == rows and all(
+        a is b or a == b for a, b in zip(row_tokens.setup, setup))
 
 
 class _Laps:
@@ -129,7 +143,8 @@ def _text_findings(completions: list[str], asked: list[str], turns: "_Turns", *,
     found: dict = {}
     content = _content_findings(turns, set(), found)
     named = {i for f in content for i in f.rows}
-    label_groups = {t: kept for t, r in groups.items() if (kept := [i for i in r if i not in named])}
+    label_groups = {t: kept for t, r in groups.items()
+                    if (kept := r if named.isdisjoint(r) else [i for i in r if i not in named])}
     answered = sum(len(r) for r in label_groups.values())
     classes = label_classes(label_groups, answered, repeat_min_rows)
     repeats = _repeat_findings(completions, asked.__getitem__, repeat_min_rows=repeat_min_rows,

@@ -5,7 +5,7 @@ drops them (in the held-out rows too, since the whole data set is audited before
 
 from __future__ import annotations
 
-from freetune.audit.findings import BLOCKING, Finding, _cut, _n
+from freetune.audit.findings import ACCEPT_PARAMETER, BLOCKING, CLEAN_PARAMETER, Finding, _cut, _n
 
 ROLES = {"system", "user", "assistant", "tool", "developer"}
 
@@ -58,7 +58,8 @@ def malformed_finding(rows: list[dict], shape: str, source: str | None) -> Findi
     examples = [f"row {i}: {p}" for i, p in list(problems.items())[:5]]
     return Finding("malformed", "malformed", BLOCKING, "row the trainer cannot read",
                    f"{_n(len(problems), 'row')} of {where} the chat template cannot render, e.g. row {first} "
-                   f"(counting from 0): {problems[first]}. Fix them in the file, or let `auto_clean=True` drop them.",
+                   f"(counting from 0): {problems[first]}. Fix them in the file, or let `{CLEAN_PARAMETER}=True` drop "
+                   f"them (with `{ACCEPT_PARAMETER}=True` they are dropped all the same: no trainer can read them).",
                    sorted(problems), len(problems), {"examples": examples})
 
 

