@@ -302,6 +302,9 @@ def sanity_report(generations: list[Generation], references: list[str] | None = 
         "generations": n,
         "prompts": n_prompts,
         "distinct_ratio": len({normalise(t) for t in texts}) / n,
+        # Across prompts a few distinct outputs are collapse; for one prompt, few are a model sure of its answer.
+        "answers_per_prompt": sum(len({normalise(t) for t, p in zip(texts, pids) if p == q}) for q in set(pids))
+        / n_prompts,
         "most_common_output": overall.text,
         "most_common_share": share,
         "most_common_prompts": len(overall.prompts),
@@ -379,7 +382,6 @@ _SANITY_ROWS = [
     ("verdict", "verdict", "{}"),
     ("most common output: share", "most_common_share", "{:.0%}"),
     ("most common output: prompts", "most_common_prompts", "{}"),
-    ("distinct outputs", "distinct_ratio", "{:.0%}"),
     (f"repeated {NGRAM}-grams", "repeated_ngram_rate", "{:.0%}"),
     ("ended with EOS", "eos_rate", "{:.0%}"),
     ("mean new tokens", "mean_new_tokens", "{:.1f}"),
@@ -425,6 +427,7 @@ class ComparisonReport:
     def rows(self) -> list[tuple[str, str, str]]:
         """(metric, base, adapter) rows: the sanity numbers, then the task metrics."""
         rows = [(label, _fmt(f, self.base[key]), _fmt(f, self.adapter[key])) for label, key, f in _SANITY_ROWS]
+        rows += self._per_prompt_rows()
         rows += self._following_rows()
         for key, label in (("exact_match", "answer = reference"), ("similarity", "similarity to reference")):
             if self.adapter_text and self.adapter_text.get(key) is not None:
@@ -438,6 +441,16 @@ class ComparisonReport:
                 f = "{:.0%}" if is_rate else "{:.2f} per output"
                 rows.append((f"{self.task}: {key}", _fmt(f, self.base_task.get(key)), _fmt(f, value)))
         return rows
+
+    def _per_prompt_rows(self) -> list[tuple[str, str, str]]:
+        """How often a prompt asked again got a different answer: "1.0 of 4" is a model sure of its answer (a share
+        of distinct outputs over all prompts read 25% there, like a fault)."""
+        tries = self.adapter["generations"] / self.adapter["prompts"]
+        if tries < 2 or "answers_per_prompt" not in self.adapter:
+            return []
+        label = f"different answers to one prompt asked {tries:g} times (greedy + samples)"
+        return [(label, *(f"{getattr(self, side)['answers_per_prompt']:.1f} of {tries:g}" for side in ("base",
+                                                                                                         "adapter")))]
 
     def _following_rows(self) -> list[tuple[str, str, str]]:
         base, adapter = self.base.get("following"), self.adapter.get("following")
