@@ -67,9 +67,11 @@ def svg_rows(n: int, rng: random.Random) -> list[dict]:
 # whether the answer used the asked colours.
 SHORT_COLOURS = ["red", "orange", "yellow", "green", "teal", "blue", "purple", "pink", "black", "white", "gray"]
 # Drawn in percentages of the canvas: the same element for every size, so the size is copied from the prompt once.
+# Each shape is named as its element is (a "square" drawn as <rect> and an "oval" as <ellipse> were still mixed up
+# after 24 steps, when the colours, copied from the prompt, were right).
 SHORT_SHAPES = {"circle": '<circle cx="50%" cy="50%" r="35%" fill="{fg}"/>',
-                "square": '<rect x="25%" y="25%" width="50%" height="50%" fill="{fg}"/>',
-                "oval": '<ellipse cx="50%" cy="50%" rx="40%" ry="25%" fill="{fg}"/>'}
+                "rectangle": '<rect x="20%" y="30%" width="60%" height="40%" fill="{fg}"/>',
+                "ellipse": '<ellipse cx="50%" cy="50%" rx="40%" ry="25%" fill="{fg}"/>'}
 
 
 def svg_short_rows(n: int, rng: random.Random) -> list[dict]:

@@ -91,8 +91,8 @@ def embedded_parameters(recipe: str, real_model: bool = False) -> dict:
     if real_model:
         spec = REAL_MODEL.get(recipe)
         if spec is None:
-            raise SystemExit(f"no real-model default for recipe {recipe!r}; known: {sorted(REAL_MODEL)} (or use "
-                             f"--embedded with -p model_id {cached_smollm2()})")
+            raise SystemExit(f"no real-model default for recipe {recipe!r}; known: {sorted(REAL_MODEL)}. For another "
+                             f"recipe: --embedded -p model_id <the model's folder> -p learning_rate 1e-3")
         return {"model_id": str(cached_smollm2()), "dataset": str(sample_data_path(spec["sample"])), **REAL_MODEL_CPU}
     spec = EMBEDDED.get(recipe)
     if spec is None:
