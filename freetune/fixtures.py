@@ -173,7 +173,7 @@ def cached_tiny_model(architecture: str = "qwen2", **kwargs) -> Path:
 
 
 def sample_data_path(name: str) -> Path:
-    """A bundled sample data set: 'svg', 'home_assistant', 'alpaca', 'multiturn' or 'sharegpt'."""
+    """A bundled sample data set: 'svg', 'svg_short', 'home_assistant', 'alpaca', 'multiturn' or 'sharegpt'."""
     path = Path(__file__).parent / "sample_data" / f"{name}_sample.jsonl"
     if not path.exists():
         raise FileNotFoundError(f"no bundled sample data named {name!r} (looked for {path})")

@@ -4,6 +4,8 @@ Deterministic (seeded), so rerunning it reproduces the committed files byte for 
 varied on purpose: the embedded default and CI train on them with a tiny model on a CPU.
 
 - svg_sample.jsonl: like thesantatitan/deepseek-svg-dataset: `prompt` (a description) -> `completion` (SVG code).
+- svg_short_sample.jsonl: the same task in rows a small real model learns on a CPU in minutes (command 1 with
+  --real-model): colour names, four sizes, three shapes drawn in percentages, ~65 answer tokens.
 - alpaca_sample.jsonl: instruction / input / output rows (the Alpaca shape, recognised by its column names).
 - home_assistant_sample.jsonl: like a Home Assistant requests -> JSON action set, as `messages`: a system turn
   listing the home's entities, the user's request, and the assistant's JSON action.
@@ -57,6 +59,33 @@ def svg_rows(n: int, rng: random.Random) -> list[dict]:
         completion = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{size}" height="{size}" '
                       f'viewBox="0 0 {size} {size}"><rect width="{size}" height="{size}" fill="{HEX[bg]}"/>'
                       f"{body}</svg>")
+        rows.append({"prompt": prompt, "completion": completion})
+    return rows
+
+
+# Colour names whose colour families (freetune.tasks.svg.colour_family) all differ, so the task metrics can tell
+# whether the answer used the asked colours.
+SHORT_COLOURS = ["red", "orange", "yellow", "green", "teal", "blue", "purple", "pink", "black", "white", "gray"]
+# Drawn in percentages of the canvas: the same element for every size, so the size is copied from the prompt once.
+# Each shape is named as its element is (a "square" drawn as <rect> and an "oval" as <ellipse> were still mixed up
+# after 24 steps, when the colours, copied from the prompt, were right).
+SHORT_SHAPES = {"circle": '<circle cx="50%" cy="50%" r="35%" fill="{fg}"/>',
+                "rectangle": '<rect x="20%" y="30%" width="60%" height="40%" fill="{fg}"/>',
+                "ellipse": '<ellipse cx="50%" cy="50%" rx="40%" ry="25%" fill="{fg}"/>'}
+
+
+def svg_short_rows(n: int, rng: random.Random) -> list[dict]:
+    """A shape of one colour on a background of another, at one of four sizes: what the prompt asks is all the
+    answer varies by, so an adapter that ignores the prompt shows at once in the task metrics."""
+    rows = []
+    for _ in range(n):
+        shape = rng.choice(sorted(SHORT_SHAPES))
+        fg, bg = rng.sample(SHORT_COLOURS, 2)
+        size = rng.choice([64, 100, 128, 200])
+        prompt = rng.choice([f"Draw a {fg} {shape} on a {bg} background, {size} pixels wide.",
+                             f"SVG icon, {size}x{size}: a {fg} {shape} on {bg}."])
+        completion = (f'<svg width="{size}" height="{size}"><rect width="100%" height="100%" fill="{bg}"/>'
+                      + SHORT_SHAPES[shape].format(fg=fg) + "</svg>")
         rows.append({"prompt": prompt, "completion": completion})
     return rows
 
@@ -190,11 +219,12 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_jsonl(out / "svg_sample.jsonl", svg_rows(240, random.Random(0)))
+    write_jsonl(out / "svg_short_sample.jsonl", svg_short_rows(160, random.Random(5)))
     write_jsonl(out / "home_assistant_sample.jsonl", home_assistant_rows(240, random.Random(1)))
     write_jsonl(out / "alpaca_sample.jsonl", alpaca_rows(240, random.Random(2)))
     write_jsonl(out / "multiturn_sample.jsonl", multiturn_rows(240, random.Random(3)))
     write_jsonl(out / "sharegpt_sample.jsonl", sharegpt_rows(240, random.Random(4)))
-    print(f"wrote svg, home_assistant, alpaca, multiturn and sharegpt _sample.jsonl files to {out}")
+    print(f"wrote svg, svg_short, home_assistant, alpaca, multiturn and sharegpt _sample.jsonl files to {out}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Run a generated notebook headless through papermill, and summarise the run as JSON.
 
     python scripts/run_recipe.py svg_coder --embedded              # tiny local model + bundled data, CPU is fine
+    python scripts/run_recipe.py svg_coder --real-model            # a real model learns, on a CPU, in minutes
     python scripts/run_recipe.py svg_coder --target kaggle --embedded -p ddp_processes 2
     python scripts/run_recipe.py svg_coder -p max_steps 50          # the real recipe (needs a GPU and the hub)
 
@@ -10,7 +11,10 @@ While it runs, each cell's heading (or first statement) and the notebook's print
 audit) stream to this terminal. The kernel runs in <out>; relative paths given with -p (dataset, model_id,
 output_dir) are taken from the folder this command runs in.
 `--embedded` builds (once, cached) a tiny model of the recipe's architecture with Qwen's real tokenizer, and
-points the recipe at the sample data bundled in freetune/sample_data, with settings sized for a CPU.
+points the recipe at the sample data bundled in freetune/sample_data, with settings sized for a CPU: it shows the
+mechanics (random weights learn nothing). `--real-model` trains SmolLM2-135M-Instruct (built offline by
+scripts/setup.sh, freetune.fixtures.cached_smollm2) on a short-row sample instead, with settings for a real model
+on a CPU, so the Evaluate cell shows the base failing and the adapter doing what held-out prompts ask.
 """
 
 from __future__ import annotations
@@ -35,6 +39,14 @@ CPU_SIZED = {"max_steps": 8, "micro_batch": 2, "grad_accum": 1, "max_length": 25
              "logging_steps": 1, "save_steps": 4, "eval_rows": 8, "eval_steps": 2, "sanity_rows": 2,
              "max_new_tokens": 32}
 
+# What --real-model runs: SmolLM2-135M-Instruct on a sample of short rows (~65 answer tokens; the bundled svg sample's
+# ~160-token rows cost 2-3x the training and decoding time), at a real model's learning rate (the tiny model's 2e-2
+# wipes out what SmolLM2 knows). ChatML, because SmolLM2's own template adds a default system prompt to every row.
+# No system prompt and short answers: every token costs training and generation time on a CPU.
+REAL_MODEL = {"svg_coder": {"sample": "svg_short"}}
+REAL_MODEL_CPU = {"chat_template": "chatml", "system_prompt": "", "max_steps": 24, "micro_batch": 4, "grad_accum": 1,
+                  "max_length": 128, "learning_rate": 1e-3, "logging_steps": 2, "save_steps": 24, "eval_rows": 6,
+                  "eval_steps": 0, "sanity_rows": 6, "max_new_tokens": 80}
 
 # Parameters that may name a local file or folder. The kernel's working folder is --out, not the caller's.
 PATH_PARAMETERS = ("dataset", "model_id", "output_dir")
@@ -73,9 +85,15 @@ def parse_parameters(pairs: list[tuple[str, str]], base: Path | None = None) -> 
     return parameters
 
 
-def embedded_parameters(recipe: str) -> dict:
-    from freetune.fixtures import cached_tiny_model, sample_data_path
+def embedded_parameters(recipe: str, real_model: bool = False) -> dict:
+    from freetune.fixtures import cached_smollm2, cached_tiny_model, sample_data_path
 
+    if real_model:
+        spec = REAL_MODEL.get(recipe)
+        if spec is None:
+            raise SystemExit(f"no real-model default for recipe {recipe!r}; known: {sorted(REAL_MODEL)}. For another "
+                             f"recipe: --embedded -p model_id <the model's folder> -p learning_rate 1e-3")
+        return {"model_id": str(cached_smollm2()), "dataset": str(sample_data_path(spec["sample"])), **REAL_MODEL_CPU}
     spec = EMBEDDED.get(recipe)
     if spec is None:
         raise SystemExit(f"no embedded default for recipe {recipe!r}; known: {sorted(EMBEDDED)}")
@@ -194,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", choices=["colab", "kaggle"], default="colab")
     parser.add_argument("--embedded", action="store_true",
                         help="tiny local model + bundled sample data, sized for a CPU")
+    parser.add_argument("--real-model", action="store_true",
+                        help="as --embedded, on the real SmolLM2-135M-Instruct and short rows: it learns (minutes)")
     parser.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"))
     parser.add_argument("--out", default="runs/headless", help="folder for the executed notebook and JSON")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds one cell may run")
@@ -201,10 +221,12 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out).resolve()
     parameters = {}
-    if args.embedded:
+    if args.embedded or args.real_model:
         # A run folder per target: the Kaggle run after the Colab one trains a run of its own instead of resuming
         # the Colab run's last checkpoint (at max_steps: nothing left to train).
-        parameters = {**embedded_parameters(args.recipe), "output_dir": str(out / "runs" / args.target)}
+        # The real model's run has a folder of its own too: a tiny model's run there would be refused as another run.
+        runs = out / "runs" / (f"{args.target}-real-model" if args.real_model else args.target)
+        parameters = {**embedded_parameters(args.recipe, real_model=args.real_model), "output_dir": str(runs)}
     parameters.update(parse_parameters(args.parameter))
     record = run(args.recipe, args.target, parameters, out, args.timeout)
     summary_path = out / f"{args.recipe}-{args.target}.json"

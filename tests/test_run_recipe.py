@@ -107,3 +107,12 @@ def test_building_the_tiny_model_prints_no_deprecation(tmp_path, tiny_model_dir)
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "deprecated" not in done.stderr.lower(), done.stderr[-2000:]
+
+
+def test_the_real_model_run_is_offered_where_a_sample_suits_it_and_refused_with_what_to_do_elsewhere():
+    from scripts.run_recipe import main
+
+    with pytest.raises(SystemExit) as refused:  # before anything loads: no model is built or read
+        main(["tiny_4gb", "--real-model"])
+    assert "no real-model default for recipe 'tiny_4gb'; known: ['svg_coder']" in str(refused.value)
+    assert "-p model_id" in str(refused.value) and "-p learning_rate 1e-3" in str(refused.value)

@@ -128,6 +128,19 @@ def test_the_table_gives_each_model_one_verdict_that_weighs_its_warnings():
     assert not any(line.startswith("adapter: warning") for line in lines)
 
 
+def test_a_model_sure_of_each_answer_reads_as_one_answer_per_prompt_not_as_few_distinct_outputs():
+    from freetune.sanity import ComparisonReport
+
+    sure = gens(VARIED) + gens(VARIED, mode="seed 0") + gens(VARIED, mode="seed 1")  # each prompt: one answer
+    unsure = gens(VARIED) + gens(VARIED[::-1], mode="seed 0") + gens(VARIED[2:] + VARIED[:2], mode="seed 1")
+    report = ComparisonReport(base=sanity_report(unsure), adapter=sanity_report(sure), base_task=None,
+                              adapter_task=None, task=None, prompts=VARIED, references=[None] * 8,
+                              base_generations=unsure, adapter_generations=sure)
+    rows = {label: (base, adapter) for label, base, adapter in report.rows()}
+    assert rows["different answers to one prompt asked 3 times (greedy + samples)"] == ("3.0 of 3", "1.0 of 3")
+    assert report.adapter["verdict"] == "ok" and report.adapter["distinct_ratio"] == 1 / 3  # what read as a fault
+
+
 # ------------------------------------------------------------------------------------- adapter folders
 
 def test_resolve_adapter_dir(tmp_path):
