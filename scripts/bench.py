@@ -807,9 +807,9 @@ def apply_experiments(experiments: dict, shape: ModelShape, local_rank: int) -> 
         freetune.fast.POLICY_BACKENDS["turing"] = ("efficient_copied",)
     # The two host savings of the ninth session, undone likewise:
     if experiments.get("trl_empty_cache"):  # TRL's offloading context empties the CUDA cache every micro-batch again
-        import freetune.overrides
+        import freetune.reach.trl
 
-        freetune.overrides.keep_cuda_cache_between_steps = lambda trainer: False
+        freetune.reach.trl.keep_cuda_cache_between_steps = lambda trainer: False
     if experiments.get("no_triton"):  # the custom ops' eager dequantisation and MLP helpers without Triton kernels
         import freetune.kernels
 
