@@ -329,12 +329,13 @@ def test_the_bundled_samples_are_regenerated_byte_for_byte(tmp_path):
     bundled = Path(freetune.__file__).parent / "sample_data"
     names = sorted(p.name for p in bundled.glob("*.jsonl"))
     assert names == ["alpaca_sample.jsonl", "home_assistant_sample.jsonl", "multiturn_sample.jsonl",
-                     "sharegpt_sample.jsonl", "svg_sample.jsonl"]
+                     "sharegpt_sample.jsonl", "svg_sample.jsonl", "svg_short_sample.jsonl"]
     for name in names:
         assert (tmp_path / name).read_bytes() == (bundled / name).read_bytes(), name
 
 
-@pytest.mark.parametrize("sample, shape", [("svg", "prompt_completion"), ("alpaca", "prompt_completion"),
+@pytest.mark.parametrize("sample, shape", [("svg", "prompt_completion"), ("svg_short", "prompt_completion"),
+                                           ("alpaca", "prompt_completion"),
                                            ("home_assistant", "messages"), ("multiturn", "messages"),
                                            ("sharegpt", "messages")])
 def test_the_audit_reads_every_bundled_shape(sample, shape, tiny_model_dir):
@@ -343,10 +344,11 @@ def test_the_audit_reads_every_bundled_shape(sample, shape, tiny_model_dir):
     rows = data.normalize(data.load_rows(str(sample_data_path(sample))))
     tokenizer = model.load_tokenizer(str(tiny_model_dir))
     report = audit.audit(rows, tokenizer=tokenizer, max_length=256).to_dict()
-    assert report["shape"] == shape and report["rows"] == 240
+    expected_rows = 160 if sample == "svg_short" else 240
+    assert report["shape"] == shape and report["rows"] == expected_rows
     tokens = report["tokens"]
     assert tokens["trainable_tokens"]["min"] > 0 and tokens["no_trainable_rows"] == 0
-    assert tokens["eos_in_labels_rows"] == 240  # every row learns to end its answer
+    assert tokens["eos_in_labels_rows"] == expected_rows  # every row learns to end its answer
     if shape == "messages":
         assert tokens["loss_on"] == "assistant turns"
         # Every assistant turn is counted as trained, not only the last one of each conversation.
