@@ -442,12 +442,15 @@ class ComparisonReport:
                 base = (self.base_text or {}).get(key)
                 rows.append((label, _fmt("{:.0%}", base), _fmt("{:.0%}", self.adapter_text[key])))
         if self.base_task and self.adapter_task:
+            # The task's metrics count every answer, sampled ones too: said in each label, since "does what was
+            # asked (greedy)" above counts the greedy answers alone and the two figures differ.
+            over = " (greedy + samples)" if self.adapter["generations"] > self.adapter["prompts"] else ""
             for key, value in self.adapter_task.items():
                 if key == "outputs":
                     continue
                 is_rate = not key.endswith(("violations", "entities"))
                 f = "{:.0%}" if is_rate else "{:.2f} per output"
-                rows.append((f"{self.task}: {key}", _fmt(f, self.base_task.get(key)), _fmt(f, value)))
+                rows.append((f"{self.task}: {key}{over}", _fmt(f, self.base_task.get(key)), _fmt(f, value)))
         return rows
 
     def _per_prompt_rows(self) -> list[tuple[str, str, str]]:

@@ -403,6 +403,23 @@ def test_an_adapter_that_draws_one_picture_for_every_prompt_is_weak_not_ok():
     rows_by_label = {label: (base, adapter) for label, base, adapter in report.rows()}
     assert rows_by_label["does what was asked (greedy)"] == ("0%", "100%")
     assert rows_by_label["different pictures, greedy (references: 12)"] == ("1 of 12", "12 of 12")
+    assert rows_by_label["svg: follows_prompt"] == ("0%", "100%")  # greedy answers alone: no "(greedy + samples)"
+
+
+def test_task_rows_say_when_they_count_the_sampled_answers_too():
+    from freetune.sanity import judge
+
+    rows = asked_rows()
+    # The greedy answers do what was asked; the samples (seed 1) draw one wrong picture: the greedy row reads 100%,
+    # the task's follows_prompt half of it, and its label says it counts the samples too.
+    right, wrong = [row["completion"] for row in rows], [drawing(128, "#757575", "#e53935", moved=i) for i in range(12)]
+    adapter = gens(right) + gens(wrong, mode="seed 1")
+    report = judge(rows, base_generations=gens(wrong) + gens(wrong, mode="seed 1"), adapter_generations=adapter,
+                   task="svg")
+    rows_by_label = {label: (base, adapter) for label, base, adapter in report.rows()}
+    assert rows_by_label["does what was asked (greedy)"] == ("0%", "100%")
+    assert rows_by_label["svg: follows_prompt (greedy + samples)"] == ("0%", "50%")
+    assert "svg: follows_prompt" not in rows_by_label
 
 
 def test_ok_only_when_most_answers_do_what_was_asked():
