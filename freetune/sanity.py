@@ -248,24 +248,18 @@ def sanity_report(generations: list[Generation], references: list[str] | None = 
     """
     if not generations:
         raise FreetuneError("No generations to check: the sanity report needs outputs for at least two prompts.")
-    texts = [g.text for g in generations]
-    pids = [g.prompt_index for g in generations]
+    texts, pids = [g.text for g in generations], [g.prompt_index for g in generations]
     n, n_prompts = len(texts), len(set(pids))
     overall = largest_cluster(texts, pids)
     greedy = [g for g in generations if g.mode == "greedy"]
     greedy_cluster = largest_cluster([g.text for g in greedy], [g.prompt_index for g in greedy])
     greedy_share = greedy_cluster.count / len(greedy) if greedy_cluster else 0.0
 
-    threshold, reference_share = collapse_share, None
-    if references and len(references) > 1:
-        ref = largest_cluster(list(references), list(range(len(references))))
-        reference_share = ref.count / len(references)
-        threshold = max(collapse_share, reference_share + REFERENCE_MARGIN)
-
+    threshold, reference_share = _collapse_threshold(references, collapse_share)
     share = overall.count / n
     collapsed = n_prompts >= 2 and share >= threshold and len(overall.prompts) >= 2
-    shown = overall.text if overall.text.strip() else "(empty output)"
     if collapsed:
+        shown = overall.text if overall.text.strip() else "(empty output)"
         reason = (f"the same output for {len(overall.prompts)} of {n_prompts} prompts ({overall.count} of {n} "
                   f"generations): {_shorten(shown)!r}")
     else:
@@ -287,14 +281,7 @@ def sanity_report(generations: list[Generation], references: list[str] | None = 
         found.append((WEAK, f"Greedy decoding gives the same output for {len(greedy_cluster.prompts)} of "
                             f"{len(greedy)} prompts, though samples vary: the model does not follow the prompt yet "
                             f"(undertrained?): {_shorten(greedy_cluster.text, 120)!r}"))
-    if eos_rate < 0.5:
-        found.append((WEAK, f"Only {eos_rate:.0%} of generations ended with EOS; the rest ran to max_new_tokens. "
-                            f"Either max_new_tokens is too small for this task, or the model did not learn to stop "
-                            f"(check that the EOS token is inside the labels and that pad is not the EOS token)."))
-    if ngram_rate > 0.5:
-        found.append((WEAK, f"{ngram_rate:.0%} of {NGRAM}-grams repeat within their output: the model loops."))
-    if empty_share > 0.25:
-        found.append((WEAK, f"{empty_share:.0%} of outputs are empty."))
+    found += _output_findings(eos_rate, ngram_rate, empty_share)
     found += _following_findings(following) if following else []
     warnings = [text for _, text in found]
     verdict = COLLAPSED if collapsed else max((v for v, _ in found), key=VERDICTS.index, default=OK)
@@ -327,6 +314,29 @@ def sanity_report(generations: list[Generation], references: list[str] | None = 
         "following": following,
         "warnings": warnings,
     }
+
+
+def _collapse_threshold(references: list[str] | None, collapse_share: float) -> tuple[float, float | None]:
+    """(the share of one output that is collapse, the references' own most-common share or None): references whose
+    right answers repeat raise the bar to their share + REFERENCE_MARGIN."""
+    if not references or len(references) < 2:
+        return collapse_share, None
+    reference_share = largest_cluster(list(references), list(range(len(references)))).count / len(references)
+    return max(collapse_share, reference_share + REFERENCE_MARGIN), reference_share
+
+
+def _output_findings(eos_rate: float, ngram_rate: float, empty_share: float) -> list[tuple[str, str]]:
+    """(WEAK, warning) for outputs that do not stop, loop, or are empty."""
+    found = []
+    if eos_rate < 0.5:
+        found.append((WEAK, f"Only {eos_rate:.0%} of generations ended with EOS; the rest ran to max_new_tokens. "
+                            f"Either max_new_tokens is too small for this task, or the model did not learn to stop "
+                            f"(check that the EOS token is inside the labels and that pad is not the EOS token)."))
+    if ngram_rate > 0.5:
+        found.append((WEAK, f"{ngram_rate:.0%} of {NGRAM}-grams repeat within their output: the model loops."))
+    if empty_share > 0.25:
+        found.append((WEAK, f"{empty_share:.0%} of outputs are empty."))
+    return found
 
 
 # ------------------------------------------------------------------------ does it do what the prompt asked?

@@ -21,6 +21,8 @@ import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
+from transformers import TrainerCallback
+
 from freetune import checkpoint, fast, fused_mlp, graphed_layers, host_embeddings, kernels, tracking
 from freetune import params as param_rules  # not `params`: make_config takes a recipe's parameters under that name
 from freetune.batching import PAD_TO
@@ -217,43 +219,38 @@ def fsdp_settings(plan: Plan) -> dict:
         "limit_all_gathers": True})
 
 
-class ProgressPrinter:
-    """A TrainerCallback printing one readable line per log step (built lazily: transformers imports late)."""
+class ProgressPrinter(TrainerCallback):
+    """A TrainerCallback printing one readable line per log step: step, loss, learning rate, tokens/s, memory, ETA."""
 
-    def __new__(cls, total_steps: int):
-        from transformers import TrainerCallback
+    def __init__(self, total_steps: int):
+        self.total_steps = total_steps
+        self.start = None
+        self.last = None
 
-        class _Printer(TrainerCallback):
-            def __init__(self):
-                self.start = None
-                self.last = None
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start = time.time()
+        self.first_step = state.global_step  # > 0 after a resume: the ETA counts this session's steps
+        self.last = (self.start, state.global_step, None)
 
-            def on_train_begin(self, args, state, control, **kwargs):
-                self.start = time.time()
-                self.first_step = state.global_step  # > 0 after a resume: the ETA counts this session's steps
-                self.last = (self.start, state.global_step, None)
-
-            def on_log(self, args, state, control, logs=None, **kwargs):
-                if state.is_world_process_zero and logs and "eval_loss" in logs:
-                    print(f"step {state.global_step:>5}/{total_steps}  eval loss {logs['eval_loss']:.4f}  "
-                          f"(held-out rows)", flush=True)
-                if not state.is_world_process_zero or not logs or "loss" not in logs:
-                    return
-                now = time.time()
-                used, peak, where = memory_gib()
-                tokens = logs.get("num_tokens")
-                t0, step0, tokens0 = self.last
-                rate = ""
-                if tokens is not None and tokens0 is not None and now > t0:
-                    rate = f"{(tokens - tokens0) / (now - t0):8.0f} tok/s"
-                done = max(state.global_step - self.first_step, 1)
-                eta = (now - self.start) / done * max(total_steps - state.global_step, 0)
-                print(f"step {state.global_step:>5}/{total_steps}  loss {logs['loss']:.4f}  "
-                      f"lr {logs.get('learning_rate', 0):.2e}  {rate}  {where} {used:.2f}/{peak:.2f} GiB  "
-                      f"ETA {duration(eta)}", flush=True)
-                self.last = (now, state.global_step, tokens)
-
-        return _Printer()
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and logs and "eval_loss" in logs:
+            print(f"step {state.global_step:>5}/{self.total_steps}  eval loss {logs['eval_loss']:.4f}  "
+                  f"(held-out rows)", flush=True)
+        if not state.is_world_process_zero or not logs or "loss" not in logs:
+            return
+        now = time.time()
+        used, peak, where = memory_gib()
+        tokens = logs.get("num_tokens")
+        t0, step0, tokens0 = self.last
+        rate = ""
+        if tokens is not None and tokens0 is not None and now > t0:
+            rate = f"{(tokens - tokens0) / (now - t0):8.0f} tok/s"
+        done = max(state.global_step - self.first_step, 1)
+        eta = (now - self.start) / done * max(self.total_steps - state.global_step, 0)
+        print(f"step {state.global_step:>5}/{self.total_steps}  loss {logs['loss']:.4f}  "
+              f"lr {logs.get('learning_rate', 0):.2e}  {rate}  {where} {used:.2f}/{peak:.2f} GiB  "
+              f"ETA {duration(eta)}", flush=True)
+        self.last = (now, state.global_step, tokens)
 
 
 def nonfinite_advice(problem: str, config, checkpoints_dir: str) -> str:

@@ -56,13 +56,8 @@ def audit(dataset, *, tokenizer=None, max_length: int | None = None, checks: dic
     with ThreadPoolExecutor(1) as pool:
         # Tokenising is most of the work and tiktoken and the Rust tokenizer release the GIL: it runs beside the
         # text rules and the recipe's checks (pure Python) instead of after them. "tokens" is the wait that is left.
-        tokens = None
-        if tokenizer is not None:
-            tokenizer = _load_tokenizer(tokenizer)
-            if _counted_alike(row_tokens, (tokenizer, shape, max_length, assistant_only), len(rows)):
-                tokens = pool.submit(lambda: row_tokens)
-            else:
-                tokens = pool.submit(_row_tokens, tokenizer, rows, shape, max_length, assistant_only)
+        tokenizer = _load_tokenizer(tokenizer) if tokenizer is not None else None
+        tokens = _count_tokens(pool, tokenizer, rows, (shape, max_length, assistant_only), row_tokens)
         findings, labels = _text_findings(completions, asked, _Turns(rows, completions, asked),
                                           min_completion_chars=min_completion_chars,
                                           repeat_min_rows=repeat_min_rows, repeat_share_block=repeat_share_block)
@@ -79,9 +74,7 @@ def audit(dataset, *, tokenizer=None, max_length: int | None = None, checks: dic
             findings += token_findings
         lap("tokens")
 
-    def requests(i: int) -> str:
-        return asked[i]
-
+    requests = asked.__getitem__  # a row's request, as the duplicate and overlap messages quote it
     invalid = {i for f in findings if f.severity == BLOCKING for i in f.rows}
     findings += _duplicate_findings(prompts, completions, invalid, requests)
     if eval_dataset is not None:
@@ -100,18 +93,34 @@ def audit(dataset, *, tokenizer=None, max_length: int | None = None, checks: dic
         "eval_rows": None if eval_dataset is None else len(eval_dataset),
         "tokenizer": _tokenizer_settings(tokenizer),
     }
-    measured = {"malformed": True, "refusal": True, "error_string": True, "cut_off": True, "echo": True,
-                "language": True, "empty": True, "repeated": True, "repeated_other": True, "short": True,
-                "duplicate": True,
-                "conflict": True, "overlap": eval_dataset is not None,
-                "no_trainable_tokens": tokenizer is not None, "eos_not_in_labels": tokenizer is not None,
-                "truncated": tokenizer is not None and max_length is not None,
-                **{f"check:{name}": True for name in checks or {}}}
-    found = {f.id: f.count for f in findings}
-    counts = {key: found.get(key, 0) if ok else None for key, ok in measured.items()}
+    counts = _counts(findings, settings)
     lap.timings["total"] = sum(lap.timings.values())
     return AuditReport(len(rows), shape, settings, findings, _completion_chars(completions), token_stats, counts,
                        lap.timings, counted.engine if counted else None, labels, counted)
+
+
+def _count_tokens(pool: ThreadPoolExecutor, tokenizer, rows: list[dict], how: tuple, earlier):
+    """A future of the rows' RowTokens (None without a tokenizer): counted in the pool, or an earlier audit's counts
+    of the same rows when they were counted the same way (`how`: shape, max_length, assistant_only)."""
+    if tokenizer is None:
+        return None
+    if _counted_alike(earlier, (tokenizer, *how), len(rows)):
+        return pool.submit(lambda: earlier)
+    return pool.submit(_row_tokens, tokenizer, rows, *how)
+
+
+def _counts(findings: list[Finding], settings: dict) -> dict[str, int | None]:
+    """Rows per finding id, 0 for a check that ran and found nothing, None for one these settings could not run
+    (no tokenizer, no max_length, no held-out rows)."""
+    tokens = settings["tokenizer"] is not None
+    measured = {"malformed": True, "refusal": True, "error_string": True, "cut_off": True, "echo": True,
+                "language": True, "empty": True, "repeated": True, "repeated_other": True, "short": True,
+                "duplicate": True, "conflict": True, "overlap": settings["eval_rows"] is not None,
+                "no_trainable_tokens": tokens, "eos_not_in_labels": tokens,
+                "truncated": tokens and settings["max_length"] is not None,
+                **{f"check:{name}": True for name in settings["checks"]}}
+    found = {f.id: f.count for f in findings}
+    return {key: found.get(key, 0) if ok else None for key, ok in measured.items()}
 
 
 def _counted_alike(row_tokens, setup: tuple, rows: int) -> bool:

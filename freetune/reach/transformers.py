@@ -10,6 +10,8 @@ import math
 
 from freetune.reach import versions  # noqa: F401  (imported for its check of the installed releases, first)
 
+from transformers import TrainerCallback  # noqa: E402  (after the release check)
+
 WRITTEN_AGAINST = {"transformers": "5.17", "accelerate": "1.15", "bitsandbytes": "0.50"}
 
 
@@ -28,7 +30,7 @@ def one_gpu_only(config) -> None:
 MIN_FP16_LOSS_SCALE = 1.0
 
 
-class NonFiniteGuard:
+class NonFiniteGuard(TrainerCallback):
     """A TrainerCallback that stops the run at the first log step whose loss (or gradient norm) is NaN or inf, and
     keeps that step from being saved: transformers 5.17's _maybe_log_save_evaluate logs a step before it saves it,
     so should_save cleared at the log is what the save reads (FreetuneTrainer._save_checkpoint refuses NaN weights
@@ -37,29 +39,23 @@ class NonFiniteGuard:
     Under fp16 AMP an infinite gradient norm is a skipped step, a problem only once the loss scale has collapsed.
     `.reason` says what it saw (None: nothing)."""
 
-    def __new__(cls):
-        from transformers import TrainerCallback
+    reason: str | None = None
 
-        class _Guard(TrainerCallback):
-            reason: str | None = None
-
-            def on_log(self, args, state, control, logs=None, optimizer=None, **kwargs):
-                logs = logs or {}
-                loss, norm = logs.get("loss"), logs.get("grad_norm")
-                bad = [f"the loss is {loss}"] if loss is not None and not math.isfinite(loss) else []
-                if norm is not None and not math.isfinite(norm):
-                    scaler = getattr(optimizer, "scaler", None)  # accelerate's AcceleratedOptimizer under fp16
-                    scale = scaler.get_scale() if scaler is not None and scaler.is_enabled() else None
-                    if scale is None or scale < MIN_FP16_LOSS_SCALE:
-                        bad.append(f"the gradient norm is {norm}" +
-                                   (f" with fp16's loss scale down to {scale:g}" if scale is not None else ""))
-                if bad and self.reason is None:
-                    self.reason = f"at step {state.global_step} " + " and ".join(bad)
-                    control.should_training_stop = True
-                    control.should_save = False  # the log comes before the save of the same step
-                return control
-
-        return _Guard()
+    def on_log(self, args, state, control, logs=None, optimizer=None, **kwargs):
+        logs = logs or {}
+        loss, norm = logs.get("loss"), logs.get("grad_norm")
+        bad = [f"the loss is {loss}"] if loss is not None and not math.isfinite(loss) else []
+        if norm is not None and not math.isfinite(norm):
+            scaler = getattr(optimizer, "scaler", None)  # accelerate's AcceleratedOptimizer under fp16
+            scale = scaler.get_scale() if scaler is not None and scaler.is_enabled() else None
+            if scale is None or scale < MIN_FP16_LOSS_SCALE:
+                bad.append(f"the gradient norm is {norm}" +
+                           (f" with fp16's loss scale down to {scale:g}" if scale is not None else ""))
+        if bad and self.reason is None:
+            self.reason = f"at step {state.global_step} " + " and ".join(bad)
+            control.should_training_stop = True
+            control.should_save = False  # the log comes before the save of the same step
+        return control
 
 
 # ---- transformers 5.17: the decoder layers' checkpoint function (freetune.graphed_layers) --------------------------
