@@ -19,7 +19,7 @@ Modules, in the order a recipe uses them:
   checkpoint   complete-or-ignored checkpoints, resume, time budget, SIGTERM, Hub sync
   distributed  torchrun's RANK/LOCAL_RANK/WORLD_SIZE: one script for 1 or N processes
   launch       the Kaggle cell that runs train_ddp.py under torchrun and streams its logs
-  sanity       what the adapter generates, base vs adapter; one verdict per model
+  evaluate     what the adapter generates, base vs adapter; one verdict per model
   chat         try it: type prompts, see the adapter's answer streamed (held-out prompts when headless)
   tasks        per-recipe validity checks and metrics (SVG, Home Assistant)
   export       merge, GGUF, Ollama Modelfile, Hub upload
@@ -50,7 +50,7 @@ logging.getLogger("transformers.trainer_utils").addFilter(
     lambda record: not str(record.msg).startswith("The tokenizer has new PAD/BOS/EOS tokens"))
 
 _SUBMODULES = {"params", "platform", "preflight", "choices", "memory", "data", "audit", "model", "train", "trainer",
-               "overrides", "distributed", "launch", "checkpoint", "sanity", "tasks", "export", "secrets", "fixtures",
+               "overrides", "distributed", "launch", "checkpoint", "evaluate", "tasks", "export", "secrets", "fixtures",
                "templates", "tracking", "chat", "resources"}
 
 

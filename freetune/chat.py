@@ -4,7 +4,7 @@ In a notebook the cell asks for prompts until an empty one. Run headless (paperm
 nobody can type, so it answers a few held-out prompts instead of waiting for input that never comes. On Kaggle the
 cell runs in the notebook's own kernel, after torchrun's processes have ended, on one GPU.
 
-The adapter is loaded on the base model as the evaluation loads it (freetune.sanity.load_for_comparison), with the
+The adapter is loaded on the base model as the evaluation loads it (freetune.evaluate.load_for_comparison), with the
 tokenizer training saved (its chat template), and answers with the Ollama Modelfile's sampling defaults, so what
 you see here is what `ollama run` will give.
 """
@@ -97,7 +97,7 @@ def try_it(base_model: str, adapter_dir: str, held_out=None, *, system_prompt: s
 
     held_out: the held-out rows; headless, `rows` of their prompts are answered (their own system turns kept).
     system_prompt: the system turn of typed prompts (default: the held-out rows' own, else none)."""
-    from freetune.sanity import load_for_comparison, pick_rows
+    from freetune.evaluate import load_for_comparison, pick_rows
 
     model, tokenizer = load_for_comparison(base_model, adapter_dir, plan=plan)
     model.eval()

@@ -186,7 +186,7 @@ summary = freetune.train.show_summary(paths)
 # adapter has collapsed into one answer for every request.
 
 # %%
-comparison = freetune.sanity.compare(model_id, paths.adapter, freetune.sanity.pick_rows(held_out, sanity_rows),
+comparison = freetune.evaluate.compare(model_id, paths.adapter, freetune.evaluate.pick_rows(held_out, sanity_rows),
                                      task="home_assistant", max_new_tokens=max_new_tokens)
 comparison
 

@@ -184,7 +184,7 @@ summary = freetune.train.show_summary(paths)
 # adapter, and says plainly if the adapter has collapsed into one answer for every prompt.
 
 # %%
-comparison = freetune.sanity.compare(model_id, paths.adapter, freetune.sanity.pick_rows(held_out, sanity_rows),
+comparison = freetune.evaluate.compare(model_id, paths.adapter, freetune.evaluate.pick_rows(held_out, sanity_rows),
                                      task=None, max_new_tokens=max_new_tokens)
 comparison
 

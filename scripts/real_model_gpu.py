@@ -7,7 +7,7 @@ checkpoint of a finished notebook run (steps vs adherence: the curve), with the 
         do, and 1.77% (84 of 4,750, as in the public set) answering the identical stub.
     python scripts/real_model_gpu.py judge RUN_DIR --base MODEL --task svg --out FILE.json
         Greedy answers of the base and of each checkpoint-N (and the final adapter) to every held-out row the
-        notebook kept (RUN_DIR/data/eval), judged by freetune.sanity.judge.
+        notebook kept (RUN_DIR/data/eval), judged by freetune.evaluate.judge.
 
 Runs where the notebooks ran (the GPU machine); re-judge the saved generations anywhere with `rejudge FILE.json`,
 or every run's with `report JUDGED_DIR --out SUMMARY.json`.
@@ -59,7 +59,7 @@ def write_data(out: Path) -> None:
 
 
 def _stub_share(generations) -> float:
-    from freetune.sanity import near_identical, normalise
+    from freetune.evaluate import near_identical, normalise
 
     return sum(near_identical(normalise(g.text), normalise(STUB)) for g in generations) / max(len(generations), 1)
 
@@ -83,7 +83,7 @@ def judge_run(run_dir: Path, base_model: str, task: str, max_new_tokens: int) ->
 
     from freetune.data import load_prepared, prompt_messages
     from freetune.model import nf4_config
-    from freetune.sanity import generate, judge
+    from freetune.evaluate import generate, judge
     from freetune.checkpoint import checkpoint_step
 
     _, held_out = load_prepared(str(run_dir / "data"))
@@ -122,7 +122,7 @@ def judge_run(run_dir: Path, base_model: str, task: str, max_new_tokens: int) ->
 
 def rejudge(path: Path, task: str | None) -> dict:
     """The saved generations judged again (by this freetune, with this machine's renderer)."""
-    from freetune.sanity import Generation, judge
+    from freetune.evaluate import Generation, judge
 
     saved = json.loads(path.read_text())
     task = task or saved["task"]

@@ -176,7 +176,7 @@ def test_every_notebook_evaluates_while_training_lets_you_try_it_and_gives_one_v
         launch = next(i for i, c in enumerate(cells) if "run_torchrun" in c.source)
         assert launch < try_it and "All 2 ranks finished" in cell_text(cells[launch])
     # One verdict per model, weighing its warnings: never "ok" next to a warning about that model's outputs.
-    table = next(cell_text(c) for c in cells if "freetune.sanity.compare" in c.source)
+    table = next(cell_text(c) for c in cells if "freetune.evaluate.compare" in c.source)
     verdicts = dict(re.findall(r"^(base|adapter): ([A-Z]+): ", table.replace("\\n", "\n"), flags=re.M))
     assert set(verdicts) == {"base", "adapter"}, table[-3000:]
     for side, verdict in verdicts.items():

@@ -36,7 +36,7 @@ def _md_table(header: list[str], rows: list[list]) -> str:
 
 
 def _eval_markdown(eval_table) -> str:
-    """eval_table: rows (metric, base, adapter) as sanity.Comparison.rows() gives, or a dict metric -> value, or
+    """eval_table: rows (metric, base, adapter) as freetune.evaluate.ComparisonReport.rows() gives, or a dict metric -> value, or
     metric -> {column: value}."""
     if isinstance(eval_table, (list, tuple)):
         rows = [list(r) for r in eval_table]

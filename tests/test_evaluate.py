@@ -8,8 +8,9 @@ import pytest
 
 from freetune.data import completion_text
 from freetune.errors import FreetuneError
-from freetune.sanity import (Generation, compare, generate, main, near_identical, normalise,
-                             repeated_ngram_rate, resolve_adapter_dir, sanity_report)
+from freetune.evaluate import (Generation, compare, generate, near_identical, normalise, repeated_ngram_rate,
+                               resolve_adapter_dir, sanity_report)
+from freetune.evaluate.__main__ import main
 
 STUB = "No valid response from model."
 VARIED = [
@@ -113,7 +114,7 @@ def test_eos_loops_and_empty_outputs_are_reported():
 
 
 def test_the_table_gives_each_model_one_verdict_that_weighs_its_warnings():
-    from freetune.sanity import ComparisonReport
+    from freetune.evaluate import ComparisonReport
 
     ignoring = gens(["same answer"] * 8) + gens(VARIED, mode="seed 0") + gens(VARIED[::-1], mode="seed 1")
     following = gens(VARIED) + gens(VARIED[::-1], mode="seed 0")
@@ -129,7 +130,7 @@ def test_the_table_gives_each_model_one_verdict_that_weighs_its_warnings():
 
 
 def test_a_model_sure_of_each_answer_reads_as_one_answer_per_prompt_not_as_few_distinct_outputs():
-    from freetune.sanity import ComparisonReport
+    from freetune.evaluate import ComparisonReport
 
     sure = gens(VARIED) + gens(VARIED, mode="seed 0") + gens(VARIED, mode="seed 1")  # each prompt: one answer
     unsure = gens(VARIED) + gens(VARIED[::-1], mode="seed 0") + gens(VARIED[2:] + VARIED[:2], mode="seed 1")
@@ -386,7 +387,7 @@ def asked_rows():
 
 
 def test_an_adapter_that_draws_one_picture_for_every_prompt_is_weak_not_ok():
-    from freetune.sanity import judge
+    from freetune.evaluate import judge
 
     rows = asked_rows()
     # Well-formed, rendering SVG every time, never the same text (the circle moves), so no collapse; but one
@@ -407,7 +408,7 @@ def test_an_adapter_that_draws_one_picture_for_every_prompt_is_weak_not_ok():
 
 
 def test_task_rows_say_when_they_count_the_sampled_answers_too():
-    from freetune.sanity import judge
+    from freetune.evaluate import judge
 
     rows = asked_rows()
     # The greedy answers do what was asked; the samples (seed 1) draw one wrong picture: the greedy row reads 100%,
@@ -423,7 +424,7 @@ def test_task_rows_say_when_they_count_the_sampled_answers_too():
 
 
 def test_ok_only_when_most_answers_do_what_was_asked():
-    from freetune.sanity import ADHERENCE_OK, judge
+    from freetune.evaluate import ADHERENCE_OK, judge
 
     rows = asked_rows()
     # Varied pictures, right size and shape, but the background of the next prompt: a different picture for
@@ -440,7 +441,7 @@ def test_ok_only_when_most_answers_do_what_was_asked():
 
 
 def test_home_assistant_one_action_for_every_request_is_weak(home_assistant_sample):
-    from freetune.sanity import judge
+    from freetune.evaluate import judge
 
     with open(home_assistant_sample) as f:
         rows = [json.loads(line) for _, line in zip(range(8), f)]
@@ -452,7 +453,7 @@ def test_home_assistant_one_action_for_every_request_is_weak(home_assistant_samp
 
 
 def test_without_a_task_the_answers_are_compared_with_the_references():
-    from freetune.sanity import judge
+    from freetune.evaluate import judge
 
     words = ["kitchen", "garden", "window", "yellow", "planet", "rocket", "silver", "forest"]
     rows = [{"prompt": f"Write {word} backwards.", "completion": word[::-1]} for word in words]
