@@ -16,10 +16,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from freetune import bnb_cpu, params, templates
+from freetune import params, templates
+from freetune.speed import bnb_cpu
 from freetune.distributed import context, print0
 from freetune.errors import FreetuneError, reason
-from freetune.fast import VARLEN_ATTENTION, register_attention
+from freetune.speed.attention import VARLEN_ATTENTION, register_attention
 from freetune.platform import require_hub
 from freetune.preflight import Plan
 from freetune.reach import peft_bnb as peft_bnb_reach

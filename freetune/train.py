@@ -21,9 +21,10 @@ import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
-from freetune import checkpoint, fast, fused_mlp, graphed_layers, host_embeddings, kernels, tracking
+from freetune import checkpoint, tracking
+from freetune.speed import attention, cuda_graphs, host_embeddings, lora_kernel, mlp
 from freetune import params as param_rules  # not `params`: make_config takes a recipe's parameters under that name
-from freetune.batching import PAD_TO
+from freetune.speed.batching import PAD_TO
 from freetune.choices import choose_optimizer
 from freetune.console import duration
 from freetune.distributed import COLLECTIVE_TIMEOUT_S, check_replicas_agree, context, print0
@@ -127,8 +128,8 @@ def _sft_config(paths: Paths, plan: Plan, *, max_steps: int, learning_rate: floa
         disable_tqdm=True,
         seed=seed,
         data_seed=seed,
-        # Similar lengths in a padded batch: little padding where rows cannot be concatenated (freetune.batching).
-        # "rank_balanced" is freetune's own (freetune.sampler), put in by the trainer (FreetuneTrainer).
+        # Similar lengths in a padded batch: little padding where rows cannot be concatenated (freetune.speed.batching).
+        # "rank_balanced" is freetune's own (freetune.speed.sampler), put in by the trainer (FreetuneTrainer).
         train_sampling_strategy="group_by_length" if plan.sampler == "length_grouped" else "random",
         **_checkpointing_fields(plan, gradient_checkpointing),
         **_host_sync_fields(plan),
@@ -330,7 +331,7 @@ def train(model, tokenizer, train_dataset, config, *, plan: Plan, paths: Paths, 
             hub.close()
         for undo in undo_speed_ups:
             undo()
-        kernels.uncompile_layers(trainer.model)  # the model may go on to generate: eager layers for that
+        lora_kernel.uncompile_layers(trainer.model)  # the model may go on to generate: eager layers for that
         host_embeddings.to_gpu(trainer.model)  # and to export: the model as loaded
     wall = time.time() - start
     _check_trained(trainer, guard, config, paths)
@@ -380,30 +381,30 @@ def _speed_up(trainer, plan: Plan) -> list:
     once = None
     if plan.sampler == "rank_balanced" and trainer.args.world_size > 1:
         print0(f"Sampler: each optimizer step's rows are dealt to the {trainer.args.world_size} ranks by length, "
-               f"equal tokens per rank (freetune.sampler.RankBalancedSampler).")
+               f"equal tokens per rank (freetune.speed.sampler.RankBalancedSampler).")
     if plan.lora_kernel == "fused":
-        fused, seen = kernels.use_fused_lora(
+        fused, seen = lora_kernel.use_fused_lora(
             trainer.model, keep_8bit_absmax=keeps_8bit_absmax(plan.lora_kernel, plan.compile, plan.mlp_kernel))
-        once = trainer.args.world_size == 1 and kernels.cast_adapters_once_per_forward(
+        once = trainer.args.world_size == 1 and lora_kernel.cast_adapters_once_per_forward(
             trainer.model, same_buffers=bool(plan.cuda_graph_tokens))  # graphs read them at fixed addresses
         if once:
             undo.append(once)
-        print0(f"LoRA kernel: fused on {fused} of {seen} LoRA layers (freetune.kernels)"
+        print0(f"LoRA kernel: fused on {fused} of {seen} LoRA layers (freetune.speed.lora_kernel)"
                + ("; their weights cast to 16 bits once per forward, all together." if once else "."))
     if plan.cuda_graph_tokens:
-        reason = graphed_layers.why_not(trainer.model, plan, trainer.args.world_size, cast_once=bool(once))
+        reason = cuda_graphs.why_not(trainer.model, plan, trainer.args.world_size, cast_once=bool(once))
         if reason:
             print0(f"CUDA graphs: off ({reason}).")
         else:
-            graphed_layers.pad_batches(trainer, plan)
-            graphs = graphed_layers.callback(plan)
+            cuda_graphs.pad_batches(trainer, plan)
+            graphs = cuda_graphs.callback(plan)
             trainer.add_callback(graphs)
             undo.append(graphs.remove)
     if plan.mlp_kernel in ("chunked", "traced"):
-        fused, seen = fused_mlp.use_fused_mlp(trainer.model, kernel=plan.mlp_kernel)
-        how = (f"in chunks of {fused_mlp.CHUNK_TOKENS} tokens" if plan.mlp_kernel == "chunked"
+        fused, seen = mlp.use_fused_mlp(trainer.model, kernel=plan.mlp_kernel)
+        how = (f"in chunks of {mlp.CHUNK_TOKENS} tokens" if plan.mlp_kernel == "chunked"
                else "as one node each, gate and up recomputed in the backward")
-        print0(f"MLP kernel: {fused} of {seen} MLPs {how} (freetune.fused_mlp).")
+        print0(f"MLP kernel: {fused} of {seen} MLPs {how} (freetune.speed.mlp).")
     trl_reach.set_loss_tile_tokens(plan.loss_tile_tokens)
     trl_reach.keep_cuda_cache_between_steps(trainer)
     from freetune.trainer import GarbageFrozenAfterWarmup
@@ -413,11 +414,11 @@ def _speed_up(trainer, plan: Plan) -> list:
     undo.append(frozen.unfreeze)
     if torch.cuda.is_available() and plan.batching == "padding_free":
         # Probed now, eagerly, in this process (a torchrun rank too): the attention layers only read the result.
-        fast.varlen_works(torch.cuda.current_device(), plan.policy)
+        attention.varlen_works(torch.cuda.current_device(), plan.policy)
     if plan.embeddings_on_host:
         trainer.add_callback(host_embeddings.at_train_begin())
     if plan.compile:
-        compiled = kernels.compile_layers(trainer.model)
+        compiled = lora_kernel.compile_layers(trainer.model)
         print0(f"torch.compile: {compiled} decoder layers; the first steps are slower while they compile.")
     return undo
 

@@ -1,4 +1,4 @@
-"""freetune.fused_mlp: the SwiGLU MLP over three fused 4-bit LoRA layers as one op in token chunks computes what peft's
+"""freetune.speed.mlp: the SwiGLU MLP over three fused 4-bit LoRA layers as one op in token chunks computes what peft's
 three layers compute, keeps no (tokens x intermediate) tensor for its backward, and compiles into the decoder layer.
 
 Real bitsandbytes NF4 weights and peft adapters on a CPU (the same code a GPU runs, CPU kernels underneath)."""
@@ -6,7 +6,7 @@ Real bitsandbytes NF4 weights and peft adapters on a CPU (the same code a GPU ru
 import pytest
 import torch
 
-from freetune import fused_mlp, kernels
+from freetune.speed import lora_kernel, mlp
 from freetune.memory import ModelShape, estimate, keeps_8bit_absmax
 from freetune.preflight import Hardware
 from test_kernels import gpu, loss_and_grads, quantized_lora_model
@@ -14,10 +14,10 @@ from test_kernels import gpu, loss_and_grads, quantized_lora_model
 
 def fused_model(model_dir, dtype, chunk, dropout=0.0, kernel="chunked"):
     model = quantized_lora_model(model_dir, dtype, dropout=dropout)
-    kernels.use_fused_lora(model)
-    fused, seen = fused_mlp.use_fused_mlp(model, chunk=chunk, kernel=kernel)
+    lora_kernel.use_fused_lora(model)
+    fused, seen = mlp.use_fused_mlp(model, chunk=chunk, kernel=kernel)
     assert fused == seen == len(model.get_base_model().model.layers)
-    assert fused_mlp.use_fused_mlp(model, chunk=chunk, kernel=kernel) == (fused, seen)  # idempotent
+    assert mlp.use_fused_mlp(model, chunk=chunk, kernel=kernel) == (fused, seen)  # idempotent
     return model
 
 
@@ -95,7 +95,7 @@ def test_the_mlp_keeps_no_tokens_by_intermediate_tensor_for_its_backward(tiny_mo
     activation (tokens x intermediate each); with the chunked op or the traced function, nothing that wide: its
     input, the LoRA-A outputs (tokens x r) and the masks as bits."""
     model = quantized_lora_model(tiny_model_dir, torch.float32, dropout=0.1)
-    kernels.use_fused_lora(model)
+    lora_kernel.use_fused_lora(model)
     mlp = model.get_base_model().model.layers[0].mlp
     inter, tokens = mlp.gate_proj.out_features, 12
     x = torch.randn(1, tokens, mlp.gate_proj.in_features, requires_grad=True)
@@ -112,7 +112,7 @@ def test_the_mlp_keeps_no_tokens_by_intermediate_tensor_for_its_backward(tiny_mo
         return [s for s in saved if s[0][-1] == inter and s[0][0] in (tokens, 1) and s[1] != torch.uint8]
 
     assert len(wide(saved_shapes())) >= 2  # the per-projection path
-    fused_mlp.use_fused_mlp(model, chunk=5, kernel=kernel)
+    mlp.use_fused_mlp(model, chunk=5, kernel=kernel)
     saved = saved_shapes()
     assert wide(saved) == [], wide(saved)
     assert ((tokens, -(-inter // 8)), torch.uint8) in saved  # the down projection's mask, as bits
@@ -134,13 +134,13 @@ def test_a_compiled_checkpointed_layer_with_the_fused_mlp_trains_like_an_eager_o
     for keep_8bit in (False, keeps_8bit_absmax("fused", True, kernel)):  # the compiled one as the plan has it
         model = quantized_lora_model(tiny_model_dir, torch.float32)
         model.get_base_model().gradient_checkpointing_enable({"use_reentrant": False})
-        kernels.use_fused_lora(model, keep_8bit_absmax=keep_8bit)
-        fused_mlp.use_fused_mlp(model, chunk=16, kernel=kernel)
+        lora_kernel.use_fused_lora(model, keep_8bit_absmax=keep_8bit)
+        mlp.use_fused_mlp(model, chunk=16, kernel=kernel)
         models.append(model)
     eager, compiled = models
     torch._dynamo.reset()
     counters.clear()
-    kernels.compile_layers(compiled, backend="aot_eager")
+    lora_kernel.compile_layers(compiled, backend="aot_eager")
     torch._dynamo.config.suppress_errors = False
     try:
         for length in (40, 48):
@@ -155,7 +155,7 @@ def test_a_compiled_checkpointed_layer_with_the_fused_mlp_trains_like_an_eager_o
         assert not counters["graph_break"], dict(counters["graph_break"])
     finally:
         torch._dynamo.reset()
-        kernels.uncompile_layers(compiled)
+        lora_kernel.uncompile_layers(compiled)
 
 
 def test_the_plan_takes_the_traced_mlp_where_every_layer_is_checkpointed_and_chunks_only_rows_that_would_not_fit():

@@ -3,11 +3,11 @@ its attention: variable-length kernels that keep a padding-free batch's rows apa
 
 What the plain stack (TRL's SFTTrainer, batch 1 x accumulation 8, padded batches) wastes, and where freetune
 answers it (issue 8 has the measurements):
-- Padding: padding-free batches, the rows concatenated (freetune.batching), or, where the attention kernel would
+- Padding: padding-free batches, the rows concatenated (freetune.speed.batching), or, where the attention kernel would
   have to compute a packed row's mask densely (no variable-length kernel), `grouped`: padded batches of similar
   lengths (transformers' LengthGroupedSampler), which keeps the padding small and the rows apart.
 - Ranks waiting for each other (DDP, FSDP): each optimizer step's rows dealt out with equal tokens per rank
-  (freetune.sampler).
+  (freetune.speed.sampler).
 - The attention kernel (this module). On sm80+ the packed rows go through PyTorch's variable-length
   FlashAttention-2 (aten._flash_attention_forward given TRL's cu_seq_lens, else torch.nn.attention.varlen.varlen_attn):
   each row attends only to itself, no mask is built into the kernel and nothing is computed across rows. It is
@@ -22,7 +22,7 @@ answers it (issue 8 has the measurements):
   freetune.checkpoint.StopAgreement (the ranks' stop flag, read a step late).
 - The micro-batch and gradient checkpointing (freetune.preflight.make_plan: checkpointing is dropped when the
   memory estimate fits the full batch without it, the recompute costing ~30% of the step); the LoRA layers
-  (freetune.kernels).
+  (freetune.speed.lora_kernel).
 - The loss head: TRL (>= 1.x) already scores tokens in tiles and never holds the (tokens x vocabulary) logits;
   nothing to add (Liger's fused linear cross-entropy is refused by TRL 1.16, which patches the same forward).
 
@@ -43,7 +43,7 @@ VARLEN_ATTENTION = "freetune_varlen"  # the name registered with transformers' A
 
 # ---------------------------------------------------------------------------------------------- attention --
 
-# What every attention call reads runs inside the compiled decoder layers (freetune.kernels.compile_layers), so it
+# What every attention call reads runs inside the compiled decoder layers (freetune.speed.lora_kernel.compile_layers), so it
 # reads plain module dicts filled beforehand, never a functools.cache'd function: dynamo ignores the cache and
 # traces the function itself: calling the cached probe from the attention function ran the whole probe (a forward
 # and backward on test tensors, and a graph break) in every attention call of every step.

@@ -75,7 +75,7 @@ def at_train_begin():
                 print0(f"Input embeddings: stay on the GPU ({why_not(embedding)}).")
             if moved:
                 print0(f"Input embeddings: in host RAM while training, {moved / 2**20:,.0f} MiB off the GPU "
-                       f"(freetune.host_embeddings).")
+                       f"(freetune.speed.host_embeddings).")
 
     return EmbeddingsToHost()
 

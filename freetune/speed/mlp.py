@@ -33,7 +33,7 @@ tokens/s. The plan takes it only where even one row of max_length would not fit 
 
 from __future__ import annotations
 
-from freetune import kernels
+from freetune.speed import lora_kernel
 from freetune.reach import transformers as transformers_reach
 from freetune.reach.torch import replace_forward, stash, stashed
 
@@ -59,12 +59,12 @@ def _keep_scale(p: float) -> float:
 
 def _elementwise(kernel: str):
     """`fn` (element-wise work over a chunk) as one Triton kernel launch where it can run one
-    (freetune.triton_kernels: `kernel`, on contiguous tensors), as written elsewhere (a CPU). Run op by op it is a
+    (freetune.speed.triton_kernels: `kernel`, on contiguous tensors), as written elsewhere (a CPU). Run op by op it is a
     dozen launches and passes over memory per chunk, which is what a launch-bound step (and a T4's memory bandwidth)
     cannot spare; a torch.compile'd helper, as before, cost a dynamo call per chunk."""
     def wrap(fn):
         def call(*args):
-            fast = kernels.triton_for(args[0])
+            fast = lora_kernel.triton_for(args[0])
             if fast is not None and fast.contiguous(*(a for a in args if hasattr(a, "is_contiguous"))):
                 out = fast.run(kernel, *args)
                 if out is not None:
@@ -81,20 +81,20 @@ def _elementwise(kernel: str):
 
 @_elementwise("pack")
 def _pack(kept):
-    """dropout's keep-mask as bits (freetune.kernels.pack_mask)."""
-    return kernels.pack_mask(kept)
+    """dropout's keep-mask as bits (freetune.speed.lora_kernel.pack_mask)."""
+    return lora_kernel.pack_mask(kept)
 
 
 @_elementwise("dropped")
 def _dropped(x, packed, scale: float):
     """dropout's output again: x where the packed mask kept it, times 1 / (1 - p)."""
-    return x * kernels.unpack_mask(packed, x.shape[-1], x.dtype) * scale
+    return x * lora_kernel.unpack_mask(packed, x.shape[-1], x.dtype) * scale
 
 
 @_elementwise("dropped")
 def _add_dropped_(lora, packed, scale: float, dx):
     """dx += lora, dropped where the input was (in place); returns dx."""
-    return dx.add_(lora * kernels.unpack_mask(packed, lora.shape[-1], lora.dtype) * scale)
+    return dx.add_(lora * lora_kernel.unpack_mask(packed, lora.shape[-1], lora.dtype) * scale)
 
 
 @_elementwise("activation")
@@ -103,7 +103,7 @@ def _activation(g, u, packed, scale: float):
     import torch
 
     act = torch.nn.functional.silu(g) * u
-    return act if packed is None else act * kernels.unpack_mask(packed, act.shape[-1], act.dtype) * scale
+    return act if packed is None else act * lora_kernel.unpack_mask(packed, act.shape[-1], act.dtype) * scale
 
 
 @_elementwise("swiglu_grads_")
@@ -170,7 +170,7 @@ def _define():
         hidden, inter = x.shape[1], gb.shape[0]
 
         def dequantized(weight, absmax, shape):
-            return kernels._dequantize(weight, absmax, (blocksize, quant_type, shape, compute))
+            return lora_kernel._dequantize(weight, absmax, (blocksize, quant_type, shape, compute))
 
         return (dequantized(gw, gabs, (inter, hidden)), dequantized(uw, uabs, (inter, hidden)),
                 dequantized(dw, dabs, (hidden, inter)), [t.to(compute) for t in (ga, gb, ua, ub, da, db)])
@@ -295,7 +295,7 @@ def _swiglu_backward_impl(g, u, hg, gb, hu, ub, dy, dh, dw, dabs, dtab, da, md, 
     g.addmm_(hg, gb.t(), alpha=scalings[0])
     u.addmm_(hu, ub.t(), alpha=scalings[1])
     scale = 0.0 if md is None else _keep_scale(p)
-    w = kernels._dequantize(dw, dabs, (blocksize, quant_type, tuple(shape), compute), dtab)
+    w = lora_kernel._dequantize(dw, dabs, (blocksize, quant_type, tuple(shape), compute), dtab)
     grad_da = None
     for start, end in _chunks(g.shape[0], CHUNK_TOKENS):
         mask = None if md is None else md[start:end]
@@ -335,18 +335,18 @@ def _traced_function():
 
     def dequantized(packed, absmax, table, spec, copy: bool = False):
         """The 16-bit weight; `copy` dequantises from a fresh copy of the fp32 absmax values (or of their table:
-        kernels.quant_args) (x * 1): the traced graph's common-subexpression elimination would otherwise merge the
+        lora_kernel.quant_args) (x * 1): the traced graph's common-subexpression elimination would otherwise merge the
         backward's dequantisation (and then its matmuls) with the forward's, and the partitioner would save the
         forward's gate and up outputs."""
         if copy and table is None:
             absmax = absmax * 1.0
         elif copy:
             table = table * 1.0
-        return kernels._dequantize(packed, absmax, spec, table)
+        return lora_kernel._dequantize(packed, absmax, spec, table)
 
     def masked(t, packed, p: float):
         """t where dropout kept it (its mask saved as bits), times 1 / (1 - p)."""
-        return t * kernels.unpack_mask(packed, t.shape[-1], t.dtype) * _keep_scale(p)
+        return t * lora_kernel.unpack_mask(packed, t.shape[-1], t.dtype) * _keep_scale(p)
 
     class QLoRAMLP(torch.autograd.Function):
         """down(silu(gate(x)) * up(x)) over three fused 4-bit LoRA layers as one autograd node, traced into the
@@ -370,7 +370,7 @@ def _traced_function():
                 kept = None
                 if p > 0.0:
                     dropped, kept = torch.native_dropout(inp, p, True)
-                    kept = kernels.pack_mask(kept)
+                    kept = lora_kernel.pack_mask(kept)
                 else:
                     dropped = inp
                 h = dropped @ a.t()
@@ -418,7 +418,7 @@ def _traced_function():
                     (d_up, hu, mu, ua, ub, us, uw, uabs, utab, specs[1])):
                 dh = (d @ b).mul_(s)
                 grads += [dh.t() @ (x2 if mask is None else masked(x2, mask, p)), (d.t() @ h).mul_(s)]
-                part = kernels.times_dequantized(d, packed, absmax, spec, table)
+                part = lora_kernel.times_dequantized(d, packed, absmax, spec, table)
                 part = part.addmm_(dh, a) if mask is None else part + masked(dh @ a, mask, p)
                 dx = part if dx is None else dx + part
             grads += [grad_da, grad_db]
@@ -429,12 +429,12 @@ def _traced_function():
     return QLoRAMLP
 
 
-_TRACED = None  # the QLoRAMLP class, built once, eagerly (as freetune.kernels' QLoRALinear: dynamo cannot trace a
+_TRACED = None  # the QLoRAMLP class, built once, eagerly (as freetune.speed.lora_kernel's QLoRALinear: dynamo cannot trace a
 # class body)
 
 
 def traced_mlp(x, projections, dropout_p: float):
-    """down(silu(gate(x)) * up(x)) for three fused LoRA layers (kernels.fused_call_args of gate, up, down), as one
+    """down(silu(gate(x)) * up(x)) for three fused LoRA layers (lora_kernel.fused_call_args of gate, up, down), as one
     autograd.Function that compiled layers trace into their graph."""
     fn = _traced_class()
     gate, up, down = projections
@@ -450,13 +450,13 @@ def _traced_class():
     global _TRACED
     if _TRACED is None:
         _swiglu_backward_op()
-        kernels._dequantized_mm_op()
+        lora_kernel._dequantized_mm_op()
         _TRACED = _traced_function()
     return _TRACED
 
 
 def qlora_mlp(x, projections, dropout_p: float, chunk: int = CHUNK_TOKENS):
-    """down(silu(gate(x)) * up(x)) for three fused LoRA layers (kernels.fused_call_args of gate, up, down)."""
+    """down(silu(gate(x)) * up(x)) for three fused LoRA layers (lora_kernel.fused_call_args of gate, up, down)."""
     if "op" not in _OP:
         _OP["op"] = _define()
     shape = x.shape
@@ -464,8 +464,8 @@ def qlora_mlp(x, projections, dropout_p: float, chunk: int = CHUNK_TOKENS):
     spec = gate["spec"]
     args = [x.reshape(-1, shape[-1])]
     for p in (gate, up, down):
-        # The op takes fp32 absmax values: 8-bit ones (kernels.quant_args) are decoded for the call.
-        absmax = p["absmax"] if p["table"] is None else kernels.decoded_absmax(p["absmax"], p["table"])
+        # The op takes fp32 absmax values: 8-bit ones (lora_kernel.quant_args) are decoded for the call.
+        absmax = p["absmax"] if p["table"] is None else lora_kernel.decoded_absmax(p["absmax"], p["table"])
         args += [p["weight"], absmax, p["lora_a"], p["lora_b"]]
     out = _OP["op"](*args, spec[0], spec[1], spec[3], [gate["scaling"], up["scaling"], down["scaling"]],
                     float(dropout_p), int(chunk))[0]
@@ -475,7 +475,7 @@ def qlora_mlp(x, projections, dropout_p: float, chunk: int = CHUNK_TOKENS):
 
 def _fused_mlp_forward(self, x, *args, **kwargs):
     """Replacement forward of one SwiGLU MLP whose three projections are fused LoRA layers (use_fused_mlp)."""
-    projections = [kernels.fused_call_args(getattr(self, name), x) for name in ("gate_proj", "up_proj", "down_proj")]
+    projections = [lora_kernel.fused_call_args(getattr(self, name), x) for name in ("gate_proj", "up_proj", "down_proj")]
     ps = {p["dropout_p"] for p in projections if p is not None}
     if args or kwargs or any(p is None for p in projections) or len(ps) != 1:
         return type(self).forward(self, x, *args, **kwargs)
@@ -486,7 +486,7 @@ def _fused_mlp_forward(self, x, *args, **kwargs):
 
 def use_fused_mlp(model, chunk: int = CHUNK_TOKENS, kernel: str = "chunked") -> tuple[int, int]:
     """Give every SwiGLU MLP of `model` whose gate, up and down projections are fused LoRA layers (run
-    kernels.use_fused_lora first) the fused forward: kernel "traced" (QLoRAMLP) or "chunked" (qlora_mlp, in chunks of
+    lora_kernel.use_fused_lora first) the fused forward: kernel "traced" (QLoRAMLP) or "chunked" (qlora_mlp, in chunks of
     `chunk` tokens); returns (fused MLPs, MLPs seen). Idempotent; the module's own forward takes over for evaluation
     and anything else the fused one does not do."""
     fused = seen = 0
@@ -495,7 +495,7 @@ def use_fused_mlp(model, chunk: int = CHUNK_TOKENS, kernel: str = "chunked") -> 
         if why is None:
             continue
         seen += 1
-        if why or not all(stashed(getattr(module, n), kernels.FUSED_ATTR, False)
+        if why or not all(stashed(getattr(module, n), lora_kernel.FUSED_ATTR, False)
                           for n in ("gate_proj", "up_proj", "down_proj")):
             continue
         if kernel not in ("chunked", "traced"):

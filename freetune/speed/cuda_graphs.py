@@ -11,7 +11,7 @@ call. torch.compile's own CUDA graphs (mode="reduce-overhead") do not survive a 
   calls `_gradient_checkpointing_func(partial(layer.__call__, **kwargs), hidden_states)`) with `_Checkpoint`, an
   autograd function whose forward runs the layer without autograd and whose backward runs it again with autograd and
   takes the gradients of its input and of its 16-bit LoRA weights (the copies that
-  freetune.kernels.cast_adapters_once_per_forward makes once per forward; their gradients go back to the fp32 weights
+  freetune.speed.lora_kernel.cast_adapters_once_per_forward makes once per forward; their gradients go back to the fp32 weights
   as before).
 - Fixed shapes: the padding-free batch is padded to a multiple of plan.cuda_graph_tokens tokens
   (batching.AlignedPaddingFree with rows of at most max_length tokens, which train nothing); the row boundaries
@@ -42,8 +42,8 @@ from __future__ import annotations
 import contextlib
 from functools import partial
 
-from freetune import kernels
-from freetune.batching import AlignedPaddingFree, most_rows
+from freetune.speed import lora_kernel
+from freetune.speed.batching import AlignedPaddingFree, most_rows
 from freetune.distributed import print0
 from freetune.reach.torch import foreach_copy_, free_cublas_workspaces, mark_static, stash, stashed
 from freetune.reach.transformers import replace_checkpoint_function
@@ -58,12 +58,12 @@ def decoder_layers(model) -> list:
 
 
 def lora_pairs(layer) -> list | None:
-    """The 16-bit (A, B) copies of `layer`'s fused LoRA projections this forward (freetune.kernels), flattened in
+    """The 16-bit (A, B) copies of `layer`'s fused LoRA projections this forward (freetune.speed.lora_kernel), flattened in
     module order; None where a projection has none (its weights are not cast once per forward: not graphed)."""
     pairs = []
     for module in layer.modules():
-        if stashed(module, kernels.FUSED_ATTR, False):
-            cast = stashed(module, kernels.ADAPTER_16BIT_ATTR)
+        if stashed(module, lora_kernel.FUSED_ATTR, False):
+            cast = stashed(module, lora_kernel.ADAPTER_16BIT_ATTR)
             if cast is None:
                 return None
             pairs.extend(cast)
@@ -352,15 +352,15 @@ class GraphedLayers:
     @contextlib.contextmanager
     def _reading(self, i: int, pairs):
         """Layer i's fused projections read `pairs` (this token count's buffers) as their 16-bit LoRA weights."""
-        modules = [m for m in self.layers[i].modules() if stashed(m, kernels.FUSED_ATTR, False)]
-        kept = [stashed(m, kernels.ADAPTER_16BIT_ATTR) for m in modules]
+        modules = [m for m in self.layers[i].modules() if stashed(m, lora_kernel.FUSED_ATTR, False)]
+        kept = [stashed(m, lora_kernel.ADAPTER_16BIT_ATTR) for m in modules]
         for j, module in enumerate(modules):
-            stash(module, kernels.ADAPTER_16BIT_ATTR, (pairs[2 * j], pairs[2 * j + 1]))
+            stash(module, lora_kernel.ADAPTER_16BIT_ATTR, (pairs[2 * j], pairs[2 * j + 1]))
         try:
             yield
         finally:
             for module, cast in zip(modules, kept):
-                stash(module, kernels.ADAPTER_16BIT_ATTR, cast)
+                stash(module, lora_kernel.ADAPTER_16BIT_ATTR, cast)
 
 
 def _same(t):
@@ -414,7 +414,7 @@ def _function():
 
 def why_not(model, plan, world_size: int, cast_once: bool) -> str | None:
     """Why the plan's CUDA graphs cannot be used for this model and run (None: they can). cast_once: the LoRA
-    weights are cast once per forward into the same buffers (kernels.cast_adapters_once_per_forward)."""
+    weights are cast once per forward into the same buffers (lora_kernel.cast_adapters_once_per_forward)."""
     import torch
 
     from freetune.choices import graphs_why_not
@@ -449,7 +449,7 @@ def unfused_trainable(model) -> list[str]:
     through peft's ParamWrapper, say, would get none)."""
     names = []
     for i, layer in enumerate(decoder_layers(model)):
-        fused = {id(p) for m in layer.modules() if stashed(m, kernels.FUSED_ATTR, False) for p in m.parameters()}
+        fused = {id(p) for m in layer.modules() if stashed(m, lora_kernel.FUSED_ATTR, False) for p in m.parameters()}
         names += [f"layer {i} {n}" for n, p in layer.named_parameters() if p.requires_grad and id(p) not in fused]
     return names
 
@@ -490,7 +490,7 @@ def callback(plan):
                 print0(f"CUDA graphs: off ({count} of the decoder layers checkpointed, not all).")
                 return
             print0(f"CUDA graphs: {count} decoder layers' forward and backward recorded once per token count and "
-                   f"replayed (batches padded to a multiple of {multiple} tokens; freetune.graphed_layers).")
+                   f"replayed (batches padded to a multiple of {multiple} tokens; freetune.speed.cuda_graphs).")
 
         def on_train_end(self, args, state, control, **kwargs):
             self.remove()

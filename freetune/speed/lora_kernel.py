@@ -25,7 +25,7 @@ default (the plan's choice), and its losses match the plain stack's draw for dra
 
 from __future__ import annotations
 
-from freetune import bnb_cpu
+from freetune.speed import bnb_cpu
 from freetune.reach import peft_bnb as peft_bnb_reach
 # Which layers qualify reads peft's and bitsandbytes' internals: freetune.reach.peft_bnb.fusable.
 from freetune.reach.peft_bnb import NESTED_BLOCKSIZE, fusable
@@ -110,15 +110,15 @@ def _dequantize(packed, absmax, spec, table=None):
     return torch.ops.bitsandbytes.dequantize_4bit.default(packed, absmax, blocksize, quant_type, shape, dtype)
 
 
-_TRITON: dict = {}  # "module": freetune.triton_kernels, or None where Triton is not installed (imported once)
+_TRITON: dict = {}  # "module": freetune.speed.triton_kernels, or None where Triton is not installed (imported once)
 
 
 def triton_for(t):
-    """freetune.triton_kernels where its kernels run on `t`'s device, else None (Triton not installed, a CPU tensor,
+    """freetune.speed.triton_kernels where its kernels run on `t`'s device, else None (Triton not installed, a CPU tensor,
     or a launch that failed before): the callers' eager code then."""
     if "module" not in _TRITON:
         try:
-            from freetune import triton_kernels
+            from freetune.speed import triton_kernels
         except ImportError:
             triton_kernels = None
         _TRITON["module"] = triton_kernels
@@ -199,7 +199,7 @@ def pack_mask(kept):
     if pad:
         bits = torch.nn.functional.pad(bits, (0, pad))
     # The bit weights made on the device (arange), not copied there from a Python list: outside a compiled graph that
-    # copy waits for the GPU (freetune.fused_mlp packs eagerly, several times per layer).
+    # copy waits for the GPU (freetune.speed.mlp packs eagerly, several times per layer).
     shifts = torch.arange(8, dtype=torch.uint8, device=kept.device)
     return bits.view(tokens, -1, 8).bitwise_left_shift(shifts).sum(-1, dtype=torch.uint8)
 
@@ -401,7 +401,7 @@ def cast_adapters_once_per_forward(model, same_buffers: bool = False):
     copies stay alive from the forward to the end of the backward (2 bytes per LoRA weight, counted by
     freetune.memory.estimate).
 
-    same_buffers: the copies written into the same buffers at every forward (freetune.graphed_layers' CUDA graphs read
+    same_buffers: the copies written into the same buffers at every forward (freetune.speed.cuda_graphs' CUDA graphs read
     them at fixed addresses); they then stay allocated between steps."""
     layers, adapters = [], []
     for module in model.modules():

@@ -1,0 +1,1 @@
+"""Speed features as plug-ins (filled in below)."""
