@@ -353,7 +353,7 @@ def layer_activation_bytes(shape: ModelShape, *, lora_rank: int, lora_targets="a
 # Checkpointed layers' inputs still on the GPU when offloaded (TRL's activation offloading): the ones whose copy to
 # the host is in flight in the forward, and the ones fetched back ahead of their layer's backward.
 OFFLOAD_RESIDENT_LAYERS = 3
-# torch.compile'd decoder layers (freetune.speed.lora_kernel.compile_layers) save what the fused graph's backward needs, not
+# torch.compile'd decoder layers (freetune.speed.compiled_layers.compile_layers) save what the fused graph's backward needs, not
 # every eager op's inputs: measured on an H200 (docs/performance.md), a compiled Qwen2.5-1.5B layer holds
 # this share of the eager layer's counted bytes per token.
 COMPILED_ACTIVATION_SHARE = 0.34
@@ -465,7 +465,7 @@ def embedding_bytes(shape: ModelShape, frozen_dtype: str = "float32") -> int:
 
 
 def keeps_8bit_absmax(lora_kernel: str, compiled: bool, mlp_kernel: str) -> bool:
-    """Whether the fused LoRA layers keep double-quantised weights' absmax values 8-bit (freetune.speed.lora_kernel.quant_args:
+    """Whether the fused LoRA layers keep double-quantised weights' absmax values 8-bit (freetune.speed.nf4.quant_args:
     compiled layers decode them inside their dequantisation kernels), rather than an fp32 copy: where every use is
     in a compiled layer. The chunked MLP op runs outside the graph and reads fp32 values."""
     return lora_kernel == "fused" and compiled and mlp_kernel != "chunked"
@@ -495,7 +495,7 @@ def estimate(shape: ModelShape, *, max_length: int, micro_batch: int, lora_rank:
     """
     tokens = micro_batch * max_length
     # Fused layers that are not compiled keep a double-quantised weight's absmax values in fp32 instead
-    # (freetune.speed.lora_kernel.quant_args): its memory is then a single-quantised one's.
+    # (freetune.speed.nf4.quant_args): its memory is then a single-quantised one's.
     fp32_absmax = lora_kernel == "fused" and shards == 1 and not keeps_8bit_absmax(lora_kernel, compiled, mlp_kernel)
     weights_4bit = shape.quantized_params * NF4_BYTES_PER_PARAM[double_quant and not fp32_absmax]
     # frozen_dtype float32: peft's prepare_model_for_kbit_training casts every non-4-bit parameter to fp32, whatever

@@ -123,7 +123,7 @@ class Plan:
     gradient_checkpointing: bool = True  # recompute activations in the backward (chosen by memory when "auto")
     lora_kernel: str = "peft"   # "fused" (freetune.speed.lora_kernel: one autograd node per 4-bit LoRA layer) | "peft"
     optimizer: str = "paged_adamw_8bit"  # the Trainer's `optim` (chosen by memory when "auto")
-    compile: bool = False       # torch.compile each decoder layer (freetune.speed.lora_kernel.compile_layers)
+    compile: bool = False       # torch.compile each decoder layer (freetune.speed.compiled_layers.compile_layers)
     frozen_dtype: str = "float32"  # the frozen non-4-bit weights (embeddings, norms, lm_head) and residual stream
     offload_activations: bool = False  # checkpointed layers' inputs kept in pinned host memory, not on the GPU
     loss_tile_tokens: int = 0   # tokens per tile of TRL's chunked loss head (0: TRL's own, 4,096; choose_loss_tile)
@@ -297,7 +297,7 @@ def make_plan(hardware: Hardware | None = None, *, model_shape: ModelShape | str
         one full 4-bit copy (with one row of max_length) fits each GPU, else FSDP (the weights, gradients and
         optimizer state sharded over the GPUs). "single", "ddp" or "fsdp" forces that choice.
     compile: "auto" (on a GPU, not under FSDP), "on" or "off": torch.compile each decoder layer
-        (freetune.speed.lora_kernel.compile_layers).
+        (freetune.speed.compiled_layers.compile_layers).
     longest_row: tokens of the data's longest row (freetune.audit counts them): the batch is sized for rows that
         long, not for max_length (`replan` re-makes a plan with it once the data is audited).
     lora_dropout: the LoRA dropout the run will use; CUDA graphs (freetune.speed.cuda_graphs) need 0.

@@ -154,7 +154,7 @@ class FastPath:
         import torch
 
         from freetune import overrides
-        from freetune.speed import attention, cuda_graphs, lora_kernel, mlp
+        from freetune.speed import attention, compiled_layers, cuda_graphs, lora_kernel, mlp
         from freetune.speed.batching import most_rows
         from freetune.memory import keeps_8bit_absmax
 
@@ -172,7 +172,7 @@ class FastPath:
             ok, why = attention.varlen_works(torch.cuda.current_device(), "turing")
             self.applied["varlen"] = attention.varlen_backend() if ok else f"probe failed: {why}"
         if compiled:
-            self.applied["compile"] = f"{lora_kernel.compile_layers(model)} layers"
+            self.applied["compile"] = f"{compiled_layers.compile_layers(model)} layers"
         if plan.cuda_graph_tokens:
             multiple = plan.cuda_graph_tokens
             self.graphed = cuda_graphs.GraphedLayers(

@@ -793,9 +793,9 @@ def apply_experiments(experiments: dict, shape: ModelShape, local_rank: int) -> 
 
         freetune.speed.lora_kernel.pack_mask = lambda kept: kept  # the backward unpacks only uint8 masks
     if experiments.get("fp32_absmax"):  # the fused layers' fp32 absmax copy even where compiled layers decode 8-bit
-        import freetune.train
+        import freetune.memory  # read by freetune.speed.lora_kernel's FEATURE when it installs
 
-        freetune.train.keeps_8bit_absmax = lambda *args: False
+        freetune.memory.keeps_8bit_absmax = lambda *args: False
     # The two launch savings of the eighth session, undone to measure them in the same call:
     if experiments.get("per_layer_casts"):  # each fused layer casts its own LoRA weights (no once-per-forward cast)
         import freetune.speed.lora_kernel
@@ -813,15 +813,15 @@ def apply_experiments(experiments: dict, shape: ModelShape, local_rank: int) -> 
     if experiments.get("no_triton"):  # the custom ops' eager dequantisation and MLP helpers without Triton kernels
         import freetune.speed.lora_kernel
 
-        freetune.speed.lora_kernel.triton_for = lambda t: None
+        freetune.speed.nf4.triton_for = lambda t: None
     # The backward's input gradients d W written into the compiled graphs, not through freetune::dequantized_mm
     # (fewer op calls; inductor places the dequantisation, which the op exists to prevent: watch the peak; the
     # tenth session's result is in docs/performance.md)
     if experiments.get("inline_dgrad"):
         import freetune.speed.lora_kernel
 
-        dequantize = freetune.speed.lora_kernel._dequantize
-        freetune.speed.lora_kernel.times_dequantized = (
+        dequantize = freetune.speed.nf4._dequantize
+        freetune.speed.nf4.times_dequantized = (
             lambda d, packed, absmax, spec, table=None: d @ dequantize(packed, absmax, spec, table))
     # Two more host costs of every compiled layer call (tenth session):
     if experiments.get("skip_guards"):
@@ -858,7 +858,7 @@ def apply_experiments(experiments: dict, shape: ModelShape, local_rank: int) -> 
 def apply_ddp_experiments(experiments: dict, config) -> list:
     """The DDP settings a --variants run asks for, on `config` (and the Trainer); returns callbacks to add.
 
-    ddp_split=true:   dynamo's DDPOptimizer back on (freetune.speed.lora_kernel.compile_layers turns it off): each compiled
+    ddp_split=true:   dynamo's DDPOptimizer back on (freetune.speed.compiled_layers.compile_layers turns it off): each compiled
                       layer cut where a gradient bucket fills;
     static_graph=true: DDP(static_graph=True), the reducer's per-step bookkeeping done once;
     bucket_view=true:  DDP(gradient_as_bucket_view=True), the gradients kept in the buckets (no copy in and out);

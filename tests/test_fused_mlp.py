@@ -6,7 +6,7 @@ Real bitsandbytes NF4 weights and peft adapters on a CPU (the same code a GPU ru
 import pytest
 import torch
 
-from freetune.speed import lora_kernel, mlp
+from freetune.speed import compiled_layers, lora_kernel, mlp
 from freetune.memory import ModelShape, estimate, keeps_8bit_absmax
 from freetune.preflight import Hardware
 from test_kernels import gpu, loss_and_grads, quantized_lora_model
@@ -140,7 +140,7 @@ def test_a_compiled_checkpointed_layer_with_the_fused_mlp_trains_like_an_eager_o
     eager, compiled = models
     torch._dynamo.reset()
     counters.clear()
-    lora_kernel.compile_layers(compiled, backend="aot_eager")
+    compiled_layers.compile_layers(compiled, backend="aot_eager")
     torch._dynamo.config.suppress_errors = False
     try:
         for length in (40, 48):
@@ -155,7 +155,7 @@ def test_a_compiled_checkpointed_layer_with_the_fused_mlp_trains_like_an_eager_o
         assert not counters["graph_break"], dict(counters["graph_break"])
     finally:
         torch._dynamo.reset()
-        lora_kernel.uncompile_layers(compiled)
+        compiled_layers.uncompile_layers(compiled)
 
 
 def test_the_plan_takes_the_traced_mlp_where_every_layer_is_checkpointed_and_chunks_only_rows_that_would_not_fit():

@@ -9,7 +9,7 @@ the same compiled layers under transformers' checkpoint.
 import pytest
 import torch
 
-from freetune.speed import batching, cuda_graphs, lora_kernel
+from freetune.speed import batching, compiled_layers, cuda_graphs, lora_kernel
 from test_kernels import quantized_lora_model
 
 
@@ -176,7 +176,7 @@ def test_the_graphs_replay_what_transformers_checkpoint_computes_on_a_gpu(tiny_m
     reference, _ = graphed_model(tiny_model_dir, torch.float16, device="cuda", same_buffers=False)
     model, graphed = graphed_model(tiny_model_dir, torch.float16, device="cuda", max_tokens=512)
     for m in (reference, model):
-        lora_kernel.compile_layers(m)
+        compiled_layers.compile_layers(m)
     graphed.install()
     batches = [(40, 70, 30), (64, 64, 20, 12), (10, 90, 33), (100, 50), (200, 100), (150, 150, 10)]
     for seed, lengths in enumerate(batches):
@@ -194,5 +194,5 @@ def test_the_graphs_replay_what_transformers_checkpoint_computes_on_a_gpu(tiny_m
         assert len(shape.forward_graphs) == len(shape.backward_graphs) == layers
     # The first batch ran without graphs; each count's first batch after it recorded its graphs, once.
     assert graphed.recorded == 2 * 2 * layers
-    lora_kernel.uncompile_layers(model)
-    lora_kernel.uncompile_layers(reference)
+    compiled_layers.uncompile_layers(model)
+    compiled_layers.uncompile_layers(reference)

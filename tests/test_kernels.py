@@ -8,7 +8,7 @@ rounding a GPU run sees.
 import pytest
 import torch
 
-from freetune.speed import lora_kernel
+from freetune.speed import compiled_layers, lora_kernel, nf4
 from freetune.errors import FreetuneError
 from freetune.preflight import GPU, Hardware, make_plan
 
@@ -44,7 +44,7 @@ def loss_and_grads(model, ids, autocast_dtype=None):
 @pytest.mark.parametrize("nested, keep_8bit", [(True, False), (True, True), (False, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_the_fused_dequantisation_is_bitsandbytes_own(nested, keep_8bit, dtype):
-    """lora_kernel._dequantize (on plain tensors, what a compiled layer can trace) gives
+    """nf4._dequantize (on plain tensors, what a compiled layer can trace) gives
     bitsandbytes.functional.dequantize_4bit's weight, with and without double quantisation: eagerly bit for bit
     (bitsandbytes' registered ops, the 8-bit absmax values dequantised once to fp32 by quant_args, or, kept 8-bit,
     at each call), and compiled by inductor from the 8-bit values and their table as plain tensor code (one fused
@@ -58,7 +58,7 @@ def test_the_fused_dequantisation_is_bitsandbytes_own(nested, keep_8bit, dtype):
     weight = torch.randn(96, 160, generator=torch.Generator().manual_seed(1)).to(dtype)
     packed, state = bnbf.quantize_4bit(weight, quant_type="nf4", compress_statistics=nested)
     assert state.nested == nested
-    absmax, table, spec = lora_kernel.quant_args(state, keep_8bit_absmax=keep_8bit)
+    absmax, table, spec = nf4.quant_args(state, keep_8bit_absmax=keep_8bit)
     assert absmax.numel() == weight.numel() // state.blocksize
     if nested and keep_8bit:  # the 8-bit values as they were, and a table of 16 + 256 + 1 + one scale per 256
         assert absmax is state.absmax and absmax.dtype == torch.uint8 and table.shape == (16 + 256 + 1 + 1,)
@@ -66,13 +66,13 @@ def test_the_fused_dequantisation_is_bitsandbytes_own(nested, keep_8bit, dtype):
         assert table is None and absmax.dtype == torch.float32
         assert (absmax is not state.absmax) == nested  # nested: a new fp32 tensor; the 8-bit one stays as it was
     want = bnbf.dequantize_4bit(packed, state)
-    got = lora_kernel._dequantize(packed, absmax, spec, table)
+    got = nf4._dequantize(packed, absmax, spec, table)
     assert got.dtype == dtype and got.shape == weight.shape
     assert torch.equal(got, want)
     assert (got.float() - weight.float()).abs().mean() < 0.1  # and it is the weight, not some other tensor
     if table is not None:
         torch._dynamo.reset()
-        traced = torch.compile(lora_kernel._dequantize, backend="inductor", fullgraph=True)(packed, absmax, spec, table)
+        traced = torch.compile(nf4._dequantize, backend="inductor", fullgraph=True)(packed, absmax, spec, table)
         torch._dynamo.reset()
         assert traced.dtype == dtype and traced.shape == weight.shape
         step = {torch.float32: 2**-23, torch.bfloat16: 2**-8, torch.float16: 2**-10}[dtype]
@@ -82,7 +82,7 @@ def test_the_fused_dequantisation_is_bitsandbytes_own(nested, keep_8bit, dtype):
 
 @pytest.mark.parametrize("keep_8bit", [False, True])
 def test_a_backward_input_gradient_dequantises_its_weight_where_the_compiled_graph_reaches_it(keep_8bit):
-    """lora_kernel.times_dequantized (d W, a backward's input gradient) is d times bitsandbytes' dequantised weight,
+    """nf4.times_dequantized (d W, a backward's input gradient) is d times bitsandbytes' dequantised weight,
     eagerly and compiled; compiled, the dequantisation runs inside freetune::dequantized_mm, called with d, so that
     inductor can neither fuse it with the same weight's dequantisation earlier in the graph nor move it there (which
     kept a 16-bit copy of each weight alive across the backward's peak)."""
@@ -94,17 +94,17 @@ def test_a_backward_input_gradient_dequantises_its_weight_where_the_compiled_gra
     bnb_cpu.ensure_correct_dequantize()
     weight = torch.randn(96, 160, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     packed, state = bnbf.quantize_4bit(weight, quant_type="nf4", compress_statistics=True)
-    absmax, table, spec = lora_kernel.quant_args(state, keep_8bit_absmax=keep_8bit)
+    absmax, table, spec = nf4.quant_args(state, keep_8bit_absmax=keep_8bit)
     x = torch.randn(37, 160, dtype=torch.bfloat16)
     want_w = bnbf.dequantize_4bit(packed, state)
 
     def forward_then_gradient(x):  # the recomputed forward's product, then the input gradient of a function of it
-        y = x @ lora_kernel._dequantize(packed, absmax, spec, table).t()
-        return y, lora_kernel.times_dequantized(y * 2.0, packed, absmax, spec, table)
+        y = x @ nf4._dequantize(packed, absmax, spec, table).t()
+        return y, nf4.times_dequantized(y * 2.0, packed, absmax, spec, table)
 
     y, eager = forward_then_gradient(x)
     assert torch.equal(eager, (y * 2.0) @ want_w)
-    lora_kernel._dequantized_mm_op()  # defined eagerly, as use_fused_lora does before any layer compiles
+    nf4._dequantized_mm_op()  # defined eagerly, as use_fused_lora does before any layer compiles
     torch._dynamo.reset()
     (y_compiled, compiled), codes = run_and_get_code(torch.compile(forward_then_gradient, fullgraph=True), x)
     torch._dynamo.reset()
@@ -122,11 +122,11 @@ def test_the_compiled_dequantisation_from_8bit_absmax_values_on_a_gpu():
     for dtype in (torch.float16, torch.bfloat16):
         weight = torch.randn(1536, 8960 + 96, device="cuda", generator=torch.Generator("cuda").manual_seed(2)).to(dtype)
         packed, state = bnbf.quantize_4bit(weight, quant_type="nf4", compress_statistics=True)
-        absmax, table, spec = lora_kernel.quant_args(state, keep_8bit_absmax=True)
+        absmax, table, spec = nf4.quant_args(state, keep_8bit_absmax=True)
         want = bnbf.dequantize_4bit(packed, state)
-        assert torch.equal(lora_kernel._dequantize(packed, absmax, spec, table), want)
+        assert torch.equal(nf4._dequantize(packed, absmax, spec, table), want)
         torch._dynamo.reset()
-        traced = torch.compile(lora_kernel._dequantize, fullgraph=True)(packed, absmax, spec, table)
+        traced = torch.compile(nf4._dequantize, fullgraph=True)(packed, absmax, spec, table)
         torch._dynamo.reset()
         step = {torch.bfloat16: 2**-8, torch.float16: 2**-10}[dtype]
         torch.testing.assert_close(traced.float(), want.float(), rtol=step, atol=0)
@@ -326,7 +326,7 @@ def test_compiled_layers_train_like_eager_ones(tiny_model_dir, checkpointing, ke
         assert lora_kernel.cast_adapters_once_per_forward(compiled) is not None
     torch._dynamo.reset()
     counters.clear()
-    assert lora_kernel.compile_layers(compiled, backend="aot_eager") == len(compiled.get_base_model().model.layers)
+    assert compiled_layers.compile_layers(compiled, backend="aot_eager") == len(compiled.get_base_model().model.layers)
     torch._dynamo.config.suppress_errors = False  # here a layer that fails to compile must fail the test
     weight_shapes = {tuple(m.base_layer.weight.quant_state.shape) for m in compiled.modules()
                      if getattr(m, lora_kernel.FUSED_ATTR, False)}
@@ -365,8 +365,8 @@ def test_compiled_layers_train_like_eager_ones(tiny_model_dir, checkpointing, ke
     assert graphs[0] in (1, 2) and len(set(graphs)) == 1, graphs
     assert not counters["graph_break"], dict(counters["graph_break"])
     # After training the layers run eagerly again (generation has other shapes).
-    assert lora_kernel.uncompile_layers(compiled) == len(compiled.get_base_model().model.layers)
-    assert lora_kernel.uncompile_layers(compiled) == 0
+    assert compiled_layers.uncompile_layers(compiled) == len(compiled.get_base_model().model.layers)
+    assert compiled_layers.uncompile_layers(compiled) == 0
 
 
 class CountOps(torch.utils._python_dispatch.TorchDispatchMode):

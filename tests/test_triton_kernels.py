@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from freetune.speed import bnb_cpu, lora_kernel, mlp, triton_kernels
+from freetune.speed import bnb_cpu, lora_kernel, mlp, nf4, triton_kernels
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -43,7 +43,7 @@ def nested_weight(shape, dtype, device, seed=0):
 
     weight = torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype).to(device)
     packed, state = bnbf.quantize_4bit(weight, quant_type="nf4", compress_statistics=True)
-    absmax, table, spec = lora_kernel.quant_args(state, keep_8bit_absmax=True)
+    absmax, table, spec = nf4.quant_args(state, keep_8bit_absmax=True)
     return packed, state, absmax, table, spec
 
 
@@ -61,8 +61,8 @@ def check_dequantisation(device):
             want = bnbf.dequantize_4bit(packed, state)
             got = triton_kernels.run("dequantize_nf4_nested", packed, absmax, table, spec[0], spec[2], spec[3])
             assert got.dtype == dtype and got.shape == shape
-            # and what lora_kernel._dequantize does eagerly there (the custom ops' bodies)
-            for out in (got, lora_kernel._dequantize(packed, absmax, spec, table)):
+            # and what nf4._dequantize does eagerly there (the custom ops' bodies)
+            for out in (got, nf4._dequantize(packed, absmax, spec, table)):
                 if device == "cpu" and dtype == torch.bfloat16:
                     # Triton's interpreter casts fp32 to bf16 by truncation (NumPy has no bf16), a GPU rounds to
                     # nearest even as bitsandbytes does: one bf16 step at most here, equal on the GPU

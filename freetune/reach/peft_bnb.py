@@ -47,7 +47,7 @@ def fusable(module) -> str:
 
 def single_quantised(quant_state, absmax) -> None:
     """bitsandbytes 0.50: a double-quantised weight's QuantState made single-quantised, its absmax values `absmax`
-    (dequantised once to fp32 by freetune.speed.lora_kernel.quant_args). The 8-bit values and their own state go (nothing reads
+    (dequantised once to fp32 by freetune.speed.nf4.quant_args). The 8-bit values and their own state go (nothing reads
     them any more); bitsandbytes' own kernels (generation, merging an adapter) read the fp32 values as they read any
     single-quantised weight's."""
     quant_state.absmax = absmax

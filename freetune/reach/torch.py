@@ -13,7 +13,7 @@ WRITTEN_AGAINST = {"torch": "2.13"}
 
 
 def compile_settings() -> None:
-    """The process-wide torch.compile settings freetune.speed.lora_kernel.compile_layers needs (torch 2.13's dynamo and functorch
+    """The process-wide torch.compile settings freetune.speed.compiled_layers.compile_layers needs (torch 2.13's dynamo and functorch
     config). A layer dynamo cannot compile runs eagerly (suppress_errors) rather than stopping the run."""
     import torch._dynamo
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 import inspect
 
 from freetune.errors import FreetuneError
+from freetune.speed.feature import Feature
 from freetune.reach.torch import efficient_attention_backward, efficient_attention_forward, flash_attention_forward
 
 VARLEN_ATTENTION = "freetune_varlen"  # the name registered with transformers' AttentionInterface
@@ -43,7 +44,7 @@ VARLEN_ATTENTION = "freetune_varlen"  # the name registered with transformers' A
 
 # ---------------------------------------------------------------------------------------------- attention --
 
-# What every attention call reads runs inside the compiled decoder layers (freetune.speed.lora_kernel.compile_layers), so it
+# What every attention call reads runs inside the compiled decoder layers (freetune.speed.compiled_layers.compile_layers), so it
 # reads plain module dicts filled beforehand, never a functools.cache'd function: dynamo ignores the cache and
 # traces the function itself: calling the cached probe from the attention function ran the whole probe (a forward
 # and backward on test tensors, and a graph break) in every attention call of every step.
@@ -413,3 +414,19 @@ def _check_against_sdpa(device_index: int, backend: str) -> str:
         return f"failed its check: {type(exc).__name__}: {str(exc)[:160]}"
     return ""
 
+
+def _probe_applies(plan, trainer) -> tuple[bool, str]:
+    import torch
+
+    # A CPU run has no kernel to probe; padded batches run transformers' own attention.
+    return torch.cuda.is_available() and plan.batching == "padding_free", ""
+
+
+def _probe_now(trainer, plan) -> None:
+    """Probed now, eagerly, in this process (a torchrun rank too): the attention layers only read the result."""
+    import torch
+
+    varlen_works(torch.cuda.current_device(), plan.policy)
+
+
+FEATURE = Feature("Attention", _probe_applies, _probe_now)

@@ -47,6 +47,7 @@ from freetune.speed.batching import AlignedPaddingFree, most_rows
 from freetune.distributed import print0
 from freetune.reach.torch import foreach_copy_, free_cublas_workspaces, mark_static, stash, stashed
 from freetune.reach.transformers import replace_checkpoint_function
+from freetune.speed.feature import Feature
 
 ROW_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k")  # row boundaries (int32, rows + 1), padded with empty rows
 LENGTH_KEYS = ("max_length_q", "max_length_k")  # longest row: the graphs take max_length, what any row can reach
@@ -507,3 +508,20 @@ def callback(plan):
                 self.graphed = None
 
     return CudaGraphs()
+
+
+def _applies(plan, trainer) -> tuple[bool, str]:
+    if not plan.cuda_graph_tokens:
+        return False, ""
+    reason = why_not(trainer.model, plan, trainer.args.world_size, cast_once=lora_kernel.casts_once(trainer.model))
+    return not reason, reason or ""
+
+
+def _install(trainer, plan):
+    pad_batches(trainer, plan)
+    graphs = callback(plan)
+    trainer.add_callback(graphs)
+    return graphs.remove
+
+
+FEATURE = Feature("CUDA graphs", _applies, _install)

@@ -33,9 +33,11 @@ tokens/s. The plan takes it only where even one row of max_length would not fit 
 
 from __future__ import annotations
 
-from freetune.speed import lora_kernel
+from freetune.distributed import print0
 from freetune.reach import transformers as transformers_reach
 from freetune.reach.torch import replace_forward, stash, stashed
+from freetune.speed import lora_kernel, nf4
+from freetune.speed.feature import Feature
 
 # What a fused MLP carries (freetune.reach.torch.stash): that it is fused, its kernel and its chunk of tokens.
 FUSED_MLP_ATTR = "_freetune_fused_mlp"
@@ -64,7 +66,7 @@ def _elementwise(kernel: str):
     cannot spare; a torch.compile'd helper, as before, cost a dynamo call per chunk."""
     def wrap(fn):
         def call(*args):
-            fast = lora_kernel.triton_for(args[0])
+            fast = nf4.triton_for(args[0])
             if fast is not None and fast.contiguous(*(a for a in args if hasattr(a, "is_contiguous"))):
                 out = fast.run(kernel, *args)
                 if out is not None:
@@ -170,7 +172,7 @@ def _define():
         hidden, inter = x.shape[1], gb.shape[0]
 
         def dequantized(weight, absmax, shape):
-            return lora_kernel._dequantize(weight, absmax, (blocksize, quant_type, shape, compute))
+            return nf4._dequantize(weight, absmax, (blocksize, quant_type, shape, compute))
 
         return (dequantized(gw, gabs, (inter, hidden)), dequantized(uw, uabs, (inter, hidden)),
                 dequantized(dw, dabs, (hidden, inter)), [t.to(compute) for t in (ga, gb, ua, ub, da, db)])
@@ -295,7 +297,7 @@ def _swiglu_backward_impl(g, u, hg, gb, hu, ub, dy, dh, dw, dabs, dtab, da, md, 
     g.addmm_(hg, gb.t(), alpha=scalings[0])
     u.addmm_(hu, ub.t(), alpha=scalings[1])
     scale = 0.0 if md is None else _keep_scale(p)
-    w = lora_kernel._dequantize(dw, dabs, (blocksize, quant_type, tuple(shape), compute), dtab)
+    w = nf4._dequantize(dw, dabs, (blocksize, quant_type, tuple(shape), compute), dtab)
     grad_da = None
     for start, end in _chunks(g.shape[0], CHUNK_TOKENS):
         mask = None if md is None else md[start:end]
@@ -335,14 +337,14 @@ def _traced_function():
 
     def dequantized(packed, absmax, table, spec, copy: bool = False):
         """The 16-bit weight; `copy` dequantises from a fresh copy of the fp32 absmax values (or of their table:
-        lora_kernel.quant_args) (x * 1): the traced graph's common-subexpression elimination would otherwise merge the
+        nf4.quant_args) (x * 1): the traced graph's common-subexpression elimination would otherwise merge the
         backward's dequantisation (and then its matmuls) with the forward's, and the partitioner would save the
         forward's gate and up outputs."""
         if copy and table is None:
             absmax = absmax * 1.0
         elif copy:
             table = table * 1.0
-        return lora_kernel._dequantize(packed, absmax, spec, table)
+        return nf4._dequantize(packed, absmax, spec, table)
 
     def masked(t, packed, p: float):
         """t where dropout kept it (its mask saved as bits), times 1 / (1 - p)."""
@@ -418,7 +420,7 @@ def _traced_function():
                     (d_up, hu, mu, ua, ub, us, uw, uabs, utab, specs[1])):
                 dh = (d @ b).mul_(s)
                 grads += [dh.t() @ (x2 if mask is None else masked(x2, mask, p)), (d.t() @ h).mul_(s)]
-                part = lora_kernel.times_dequantized(d, packed, absmax, spec, table)
+                part = nf4.times_dequantized(d, packed, absmax, spec, table)
                 part = part.addmm_(dh, a) if mask is None else part + masked(dh @ a, mask, p)
                 dx = part if dx is None else dx + part
             grads += [grad_da, grad_db]
@@ -450,7 +452,7 @@ def _traced_class():
     global _TRACED
     if _TRACED is None:
         _swiglu_backward_op()
-        lora_kernel._dequantized_mm_op()
+        nf4._dequantized_mm_op()
         _TRACED = _traced_function()
     return _TRACED
 
@@ -464,8 +466,8 @@ def qlora_mlp(x, projections, dropout_p: float, chunk: int = CHUNK_TOKENS):
     spec = gate["spec"]
     args = [x.reshape(-1, shape[-1])]
     for p in (gate, up, down):
-        # The op takes fp32 absmax values: 8-bit ones (lora_kernel.quant_args) are decoded for the call.
-        absmax = p["absmax"] if p["table"] is None else lora_kernel.decoded_absmax(p["absmax"], p["table"])
+        # The op takes fp32 absmax values: 8-bit ones (nf4.quant_args) are decoded for the call.
+        absmax = p["absmax"] if p["table"] is None else nf4.decoded_absmax(p["absmax"], p["table"])
         args += [p["weight"], absmax, p["lora_a"], p["lora_b"]]
     out = _OP["op"](*args, spec[0], spec[1], spec[3], [gate["scaling"], up["scaling"], down["scaling"]],
                     float(dropout_p), int(chunk))[0]
@@ -509,3 +511,17 @@ def use_fused_mlp(model, chunk: int = CHUNK_TOKENS, kernel: str = "chunked") -> 
             stash(module, FUSED_MLP_ATTR, True)
         fused += 1
     return fused, seen
+
+
+def _applies(plan, trainer) -> tuple[bool, str]:
+    return plan.mlp_kernel in ("chunked", "traced"), ""
+
+
+def _install(trainer, plan) -> None:
+    fused, seen = use_fused_mlp(trainer.model, kernel=plan.mlp_kernel)
+    how = (f"in chunks of {CHUNK_TOKENS} tokens" if plan.mlp_kernel == "chunked"
+           else "as one node each, gate and up recomputed in the backward")
+    print0(f"MLP kernel: {fused} of {seen} MLPs {how} (freetune.speed.mlp).")
+
+
+FEATURE = Feature("MLP kernel", _applies, _install)

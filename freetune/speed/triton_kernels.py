@@ -14,7 +14,7 @@ and on a GPU): the dequantisation bit for bit as bitsandbytes' (the absmax value
 apart, as bitsandbytes does: fp contraction off), the SwiGLU steps in fp32 with one rounding at the end (as inductor
 computes them).
 
-Imported where Triton is (freetune.speed.lora_kernel.triton_for). A launch that fails (a GPU Triton cannot compile for) warns
+Imported where Triton is (freetune.speed.nf4.triton_for). A launch that fails (a GPU Triton cannot compile for) warns
 once and the callers take their eager path from then on.
 """
 
@@ -61,7 +61,7 @@ def contiguous(*tensors) -> bool:
 def _nf4_nested_kernel(packed_ptr, absmax_ptr, table_ptr, out_ptr, n_bytes, n_out,
                        BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, BLOCK: tl.constexpr):
     # A byte holds two 4-bit codes, high nibble first; its block's absmax value is its 8-bit code's value times its
-    # group's scale, plus the offset (freetune.speed.lora_kernel.nested_table: 16 + 256 + 1 + the scales).
+    # group's scale, plus the offset (freetune.speed.nf4.nested_table: 16 + 256 + 1 + the scales).
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < n_bytes
     byte = tl.load(packed_ptr + offs, mask=inside, other=0).to(tl.int32)
