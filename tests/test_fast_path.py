@@ -136,15 +136,15 @@ def test_the_plan_chooses_the_fast_path_and_says_why(monkeypatch):
         probed.append(backends)
         return answer
 
-    monkeypatch.setattr(fast, "_probe", probe)
-    monkeypatch.setattr(fast, "_PROBED", {})
+    monkeypatch.setattr(attention, "_probe", probe)
+    monkeypatch.setattr(attention, "_PROBED", {})
     answer = ("efficient", "efficient: checked against sdpa, forward and backward")
     t4 = make_plan(machine("Tesla T4", (7, 5), 14.7, False), model_shape=shape, micro_batch=None, grad_accum=8)
     assert probed == [("efficient", "efficient_copied")]
     assert t4.micro_batch > 1 and t4.gradient_checkpointing and t4.batching == "padding_free"
     assert "would need" in t4.reasons["gradient_checkpointing"] and "T4 (sm75) runs too" in t4.reasons["batching"]
     assert t4.frozen_dtype == "float16" and t4.attn_implementation == attention.VARLEN_ATTENTION
-    monkeypatch.setattr(fast, "_PROBED", {})
+    monkeypatch.setattr(attention, "_PROBED", {})
     answer = ("", "efficient: disagrees with sdpa (output relative error 0.300)")
     t4 = make_plan(machine("Tesla T4", (7, 5), 14.7, False), model_shape=shape, micro_batch=None, grad_accum=8)
     assert t4.batching == "grouped" and "disagrees with sdpa" in t4.reasons["batching"]
@@ -200,7 +200,7 @@ def test_the_dense_mask_is_left_out_only_where_the_varlen_kernel_reads_the_rows(
 
     asked = []
     monkeypatch.setattr(masking, "sdpa_mask", lambda *a, **k: asked.append((a, k)) or "sdpa's mask")
-    monkeypatch.setattr(fast, "_CHOSEN", {0: ("efficient", "chosen by the test")})
+    monkeypatch.setattr(attention, "_CHOSEN", {0: ("efficient", "chosen by the test")})
     assert attention.varlen_mask(1, 64, 64, device="cuda:0") is None and not asked
     assert attention.varlen_mask(1, 64, 64, device=torch.device("cuda")) is None and not asked
     padded = torch.ones(2, 64, dtype=torch.bool)
@@ -248,9 +248,9 @@ def test_the_attention_layers_only_read_the_probed_backend_inside_compiled_code(
         probes.append(device_index)
         return "", "probed by the test"
 
-    monkeypatch.setattr(fast, "_probe", counting_probe)
-    monkeypatch.setattr(fast, "_CHOSEN", {})
-    monkeypatch.setattr(fast, "_PROBED", {})
+    monkeypatch.setattr(attention, "_probe", counting_probe)
+    monkeypatch.setattr(attention, "_CHOSEN", {})
+    monkeypatch.setattr(attention, "_PROBED", {})
     assert attention.varlen_works(0) == (False, "probed by the test")  # eagerly, as the plan and train() do
 
     @torch.compile(backend="eager", fullgraph=True)  # fullgraph: a graph break would raise

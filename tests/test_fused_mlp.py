@@ -6,7 +6,8 @@ Real bitsandbytes NF4 weights and peft adapters on a CPU (the same code a GPU ru
 import pytest
 import torch
 
-from freetune.speed import compiled_layers, lora_kernel, mlp
+from freetune.speed import compiled_layers, lora_kernel, mlp_ops
+from freetune.speed import mlp as fused_mlp  # not `mlp`: the tests name a model's MLP module that
 from freetune.memory import ModelShape, estimate, keeps_8bit_absmax
 from freetune.preflight import Hardware
 from test_kernels import gpu, loss_and_grads, quantized_lora_model
@@ -15,9 +16,9 @@ from test_kernels import gpu, loss_and_grads, quantized_lora_model
 def fused_model(model_dir, dtype, chunk, dropout=0.0, kernel="chunked"):
     model = quantized_lora_model(model_dir, dtype, dropout=dropout)
     lora_kernel.use_fused_lora(model)
-    fused, seen = mlp.use_fused_mlp(model, chunk=chunk, kernel=kernel)
+    fused, seen = fused_mlp.use_fused_mlp(model, chunk=chunk, kernel=kernel)
     assert fused == seen == len(model.get_base_model().model.layers)
-    assert mlp.use_fused_mlp(model, chunk=chunk, kernel=kernel) == (fused, seen)  # idempotent
+    assert fused_mlp.use_fused_mlp(model, chunk=chunk, kernel=kernel) == (fused, seen)  # idempotent
     return model
 
 
@@ -44,7 +45,7 @@ def test_dropout_drops_the_same_inputs_in_the_forward_and_the_backward(tiny_mode
     differentiates plain tensor code with autograd."""
     import bitsandbytes.functional as bnbf
 
-    monkeypatch.setattr(fused_mlp, "CHUNK_TOKENS", 5)  # the traced function's backward chunks (the op's: `chunk`)
+    monkeypatch.setattr(mlp_ops, "CHUNK_TOKENS", 5)  # the traced function's backward chunks (the op's: `chunk`)
     p = 0.3
     model = fused_model(tiny_model_dir, torch.float32, chunk=chunk, dropout=p, kernel=kernel)
     mlp = model.get_base_model().model.layers[0].mlp
@@ -112,7 +113,7 @@ def test_the_mlp_keeps_no_tokens_by_intermediate_tensor_for_its_backward(tiny_mo
         return [s for s in saved if s[0][-1] == inter and s[0][0] in (tokens, 1) and s[1] != torch.uint8]
 
     assert len(wide(saved_shapes())) >= 2  # the per-projection path
-    mlp.use_fused_mlp(model, chunk=5, kernel=kernel)
+    fused_mlp.use_fused_mlp(model, chunk=5, kernel=kernel)
     saved = saved_shapes()
     assert wide(saved) == [], wide(saved)
     assert ((tokens, -(-inter // 8)), torch.uint8) in saved  # the down projection's mask, as bits
@@ -135,7 +136,7 @@ def test_a_compiled_checkpointed_layer_with_the_fused_mlp_trains_like_an_eager_o
         model = quantized_lora_model(tiny_model_dir, torch.float32)
         model.get_base_model().gradient_checkpointing_enable({"use_reentrant": False})
         lora_kernel.use_fused_lora(model, keep_8bit_absmax=keep_8bit)
-        mlp.use_fused_mlp(model, chunk=16, kernel=kernel)
+        fused_mlp.use_fused_mlp(model, chunk=16, kernel=kernel)
         models.append(model)
     eager, compiled = models
     torch._dynamo.reset()

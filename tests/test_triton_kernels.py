@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from freetune.speed import bnb_cpu, lora_kernel, mlp, nf4, triton_kernels
+from freetune.speed import bnb_cpu, lora_kernel, mlp_ops, nf4, triton_kernels
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -96,24 +96,24 @@ def check_mlp_helpers(device):
         g, u, d, x = (torch.randn(tokens, width, generator=gen).to(dtype).to(device) for _ in range(4))
         kept = (torch.rand(tokens, width, generator=gen) > 0.3).to(device)
         packed = lora_kernel.pack_mask(kept)
-        assert torch.equal(mlp._pack(kept), packed)  # bits: exact
+        assert torch.equal(mlp_ops._pack(kept), packed)  # bits: exact
         scale = 1 / 0.7
         tol = dict(rtol=2 * rounding(dtype), atol=2 * rounding(dtype))
         for mask, s in ((None, 0.0), (packed, scale)):
-            got = mlp._activation(g, u, mask, s)
-            want = mlp._activation.eager(g.float(), u.float(), mask, s).to(dtype)
+            got = mlp_ops._activation(g, u, mask, s)
+            want = mlp_ops._activation.eager(g.float(), u.float(), mask, s).to(dtype)
             torch.testing.assert_close(got, want, **tol)
-        torch.testing.assert_close(mlp._dropped(x, packed, scale),
-                                   mlp._dropped.eager(x.float(), packed, scale).to(dtype), **tol)
+        torch.testing.assert_close(mlp_ops._dropped(x, packed, scale),
+                                   mlp_ops._dropped.eager(x.float(), packed, scale).to(dtype), **tol)
         dx = d.clone()
-        out = mlp._add_dropped_(x, packed, scale, dx)
+        out = mlp_ops._add_dropped_(x, packed, scale, dx)
         assert out.data_ptr() == dx.data_ptr()  # in place
-        torch.testing.assert_close(dx, mlp._add_dropped_.eager(x.float(), packed, scale, d.float()).to(dtype),
+        torch.testing.assert_close(dx, mlp_ops._add_dropped_.eager(x.float(), packed, scale, d.float()).to(dtype),
                                    **tol)
         gk, uk = g.clone(), u.clone()
-        mlp._swiglu_grads_(gk, uk, d)
+        mlp_ops._swiglu_grads_(gk, uk, d)
         ge, ue = g.float(), u.float()
-        mlp._swiglu_grads_.eager(ge, ue, d.float())
+        mlp_ops._swiglu_grads_.eager(ge, ue, d.float())
         torch.testing.assert_close(gk, ge.to(dtype), **tol)
         torch.testing.assert_close(uk, ue.to(dtype), **tol)
         assert not torch.equal(gk, g) and not torch.equal(uk, u)  # written over g and u
@@ -143,8 +143,8 @@ def check_mlp_backward_op(device):
     g, u, hg, hu, dy, dh = (rand(tokens, inter), rand(tokens, inter), rand(tokens, r), rand(tokens, r),
                             rand(tokens, hidden), rand(tokens, r))
     gb, ub, da = rand(inter, r, scale=0.1), rand(inter, r, scale=0.1), rand(r, inter, scale=0.1)
-    chunk, broken, launched, real_run = mlp.CHUNK_TOKENS, dict(triton_kernels._BROKEN), [], triton_kernels.run
-    mlp.CHUNK_TOKENS = 16  # several chunks, the last one partial (a process of its own, or restored below)
+    chunk, broken, launched, real_run = mlp_ops.CHUNK_TOKENS, dict(triton_kernels._BROKEN), [], triton_kernels.run
+    mlp_ops.CHUNK_TOKENS = 16  # several chunks, the last one partial (a process of its own, or restored below)
     triton_kernels.run = lambda name, *a: launched.append(name) or real_run(name, *a)
     try:
         for dropout in (0.0, 0.1):
@@ -152,7 +152,7 @@ def check_mlp_backward_op(device):
 
             def run():
                 gi, ui = g.clone(), u.clone()
-                grad_da = mlp._swiglu_backward_impl(gi, ui, hg, gb, hu, ub, dy, dh, packed, dabs, dtab, da, md,
+                grad_da = mlp_ops._swiglu_backward_impl(gi, ui, hg, gb, hu, ub, dy, dh, packed, dabs, dtab, da, md,
                                                           spec[0], spec[1], list(spec[2]), spec[3], [2.0, 2.0],
                                                           dropout)
                 return grad_da.float(), gi.float(), ui.float()
@@ -171,7 +171,7 @@ def check_mlp_backward_op(device):
                 torch.testing.assert_close(a, b, rtol=0.02, atol=0.02 * b.abs().max().item())
     finally:
         triton_kernels.run = real_run
-        mlp.CHUNK_TOKENS = chunk
+        mlp_ops.CHUNK_TOKENS = chunk
         triton_kernels._BROKEN.clear()
         triton_kernels._BROKEN.update(broken)
 
