@@ -52,127 +52,143 @@ CHUNK_ATTR = "_freetune_chunk"
 MLP_MODEL_TYPES = {"llama": "LlamaMLP", "qwen2": "Qwen2MLP", "qwen3": "Qwen3MLP", "mistral": "MistralMLP"}
 _OP: dict = {}  # "op": freetune::qlora_mlp, defined once per process
 
-
 def _define():
+    """freetune::qlora_mlp and its backward op, with the autograd that joins them (made once: qlora_mlp)."""
     import torch
-
-    def weights(x, gw, gabs, ga, gb, uw, uabs, ua, ub, dw, dabs, da, db, blocksize, quant_type, compute):
-        """The three 16-bit weights (dequantised once per call, used by every chunk) and the six LoRA matrices in the
-        compute dtype."""
-        hidden, inter = x.shape[1], gb.shape[0]
-
-        def dequantized(weight, absmax, shape):
-            return nf4._dequantize(weight, absmax, (blocksize, quant_type, shape, compute))
-
-        return (dequantized(gw, gabs, (inter, hidden)), dequantized(uw, uabs, (inter, hidden)),
-                dequantized(dw, dabs, (hidden, inter)), [t.to(compute) for t in (ga, gb, ua, ub, da, db)])
-
-    def forward(x, gw, gabs, ga, gb, uw, uabs, ua, ub, dw, dabs, da, db, blocksize, quant_type, compute, scalings,
-                p, chunk):
-        tokens, hidden = x.shape
-        inter = gb.shape[0]
-        gs, us, ds = scalings
-        wg, wu, wd, lora = weights(x, gw, gabs, ga, gb, uw, uabs, ua, ub, dw, dabs, da, db, blocksize, quant_type,
-                                   compute)
-        x = x.to(compute)
-        out = x.new_empty(tokens, hidden)
-        hs = [x.new_empty(tokens, t.shape[0]) for t in (ga, ua, da)]
-        masks = [torch.empty(mlp_ops.mask_shape(tokens, n, p), dtype=torch.uint8, device=x.device)
-                 for n in (hidden, hidden, inter)]
-        for start, end in mlp_ops._chunks(tokens, chunk):
-            xc = x[start:end]
-            g, hs[0][start:end], mg = mlp_ops._project(xc, wg, lora[0], lora[1], gs, p)
-            u, hs[1][start:end], mu = mlp_ops._project(xc, wu, lora[2], lora[3], us, p)
-            act = mlp_ops._activation(g, u, None, 0.0)
-            del g, u
-            out[start:end], hs[2][start:end], md = mlp_ops._project(act, wd, lora[4], lora[5], ds, p)
-            del act
-            for packed, bits in zip(masks, (mg, mu, md)):
-                if bits is not None:
-                    packed[start:end] = bits
-        return out, *hs, *masks
-
-    def fake(x, gw, gabs, ga, gb, uw, uabs, ua, ub, dw, dabs, da, db, blocksize, quant_type, compute, scalings,
-             p, chunk):
-        tokens, hidden = x.shape
-        inter = gb.shape[0]
-        out = x.new_empty(tokens, hidden, dtype=compute)
-        hs = [x.new_empty(tokens, t.shape[0], dtype=compute) for t in (ga, ua, da)]
-        masks = [x.new_empty(mlp_ops.mask_shape(tokens, n, p), dtype=torch.uint8) for n in (hidden, hidden, inter)]
-        return out, *hs, *masks
 
     schema = ("(Tensor x, Tensor gw, Tensor gabs, Tensor ga, Tensor gb, Tensor uw, Tensor uabs, Tensor ua, Tensor ub, "
               "Tensor dw, Tensor dabs, Tensor da, Tensor db, int blocksize, str quant_type, ScalarType compute, "
               "float[] scalings, float p, int chunk) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
-    op = torch.library.custom_op("freetune::qlora_mlp", forward, mutates_args=(), schema=schema)
-    op.register_fake(fake)
-
-    def backward_impl(dout, x, gw, gabs, ga, gb, uw, uabs, ua, ub, dw, dabs, da, db, hg, hu, hd, mg, mu, md,
-                      blocksize, quant_type, compute, scalings, p, chunk, need_x):
-        tokens, hidden = x.shape
-        gs, us, ds = scalings
-        wg, wu, wd, lora = weights(x, gw, gabs, ga, gb, uw, uabs, ua, ub, dw, dabs, da, db, blocksize, quant_type,
-                                   compute)
-        x, dout = x.to(compute), dout.to(compute)
-        # LoRA gradients summed over the chunks in fp32 (the adapter's dtype), each chunk's product in the compute
-        # dtype.
-        grads = [torch.zeros_like(t, dtype=torch.float32) for t in (ga, gb, ua, ub, da, db)]
-        dx = x.new_empty(tokens, hidden) if need_x else x.new_empty(0, hidden)
-        for start, end in mlp_ops._chunks(tokens, chunk):
-            xc, dy = x[start:end], dout[start:end]
-            mask_g, mask_u, mask_d = (None if p == 0.0 else m[start:end] for m in (mg, mu, md))
-            # g and u again (their A outputs were saved, with the forward's masks)
-            g = xc @ wg.t()
-            g.addmm_(hg[start:end], lora[1].t(), alpha=gs)
-            u = xc @ wu.t()
-            u.addmm_(hu[start:end], lora[3].t(), alpha=us)
-            act = mlp_ops._activation(g, u, None, 0.0)                    # the down projection's input
-            dh = mlp_ops._lora_grads(dy, act, mask_d, hd[start:end], lora[5], ds, p, grads, 4)
-            del act
-            dact = mlp_ops._input_grad(dy, dh, mask_d, wd, lora[4], p)
-            mlp_ops._swiglu_grads_(g, u, dact)                            # g, u := d gate, d up
-            del dact
-            dh_g = mlp_ops._lora_grads(g, xc, mask_g, hg[start:end], lora[1], gs, p, grads, 0)
-            dh_u = mlp_ops._lora_grads(u, xc, mask_u, hu[start:end], lora[3], us, p, grads, 2)
-            dxc = mlp_ops._input_grad(g, dh_g, mask_g, wg, lora[0], p)
-            dxc.add_(mlp_ops._input_grad(u, dh_u, mask_u, wu, lora[2], p))
-            del g, u
-            if need_x:
-                dx[start:end] = dxc
-        return dx, *grads
-
-    def backward_fake(dout, x, gw, gabs, ga, gb, uw, uabs, ua, ub, dw, dabs, da, db, hg, hu, hd, mg, mu, md,
-                      blocksize, quant_type, compute, scalings, p, chunk, need_x):
-        dx = x.new_empty(x.shape[0] if need_x else 0, x.shape[1], dtype=compute)
-        return dx, *(torch.empty_like(t, dtype=torch.float32) for t in (ga, gb, ua, ub, da, db))
+    op = torch.library.custom_op("freetune::qlora_mlp", _forward, mutates_args=(), schema=schema)
+    op.register_fake(_fake)
 
     backward_schema = ("(Tensor dout, Tensor x, Tensor gw, Tensor gabs, Tensor ga, Tensor gb, Tensor uw, Tensor uabs, "
                        "Tensor ua, Tensor ub, Tensor dw, Tensor dabs, Tensor da, Tensor db, Tensor hg, Tensor hu, "
                        "Tensor hd, Tensor mg, Tensor mu, Tensor md, int blocksize, str quant_type, ScalarType compute, "
                        "float[] scalings, float p, int chunk, bool need_x) "
                        "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
-    backward_op = torch.library.custom_op("freetune::qlora_mlp_backward", backward_impl, mutates_args=(),
+    backward_op = torch.library.custom_op("freetune::qlora_mlp_backward", _backward_impl, mutates_args=(),
                                           schema=backward_schema)
-    backward_op.register_fake(backward_fake)
+    backward_op.register_fake(_backward_fake)
+    _OP["backward"] = backward_op  # what _backward calls
 
-    def setup_context(ctx, inputs, output):
-        (x, gw, gabs, ga, gb, uw, uabs, ua, ub, dw, dabs, da, db, blocksize, quant_type, compute, scalings, p,
-         chunk) = inputs
-        ctx.save_for_backward(x, gw, gabs, ga, gb, uw, uabs, ua, ub, dw, dabs, da, db, *output[1:])
-        ctx.constants = (blocksize, quant_type, compute, scalings, p, chunk)
-        ctx.x_dtype = x.dtype
-
-    def backward(ctx, dout, *_unused):
-        saved = ctx.saved_tensors
-        need_x = ctx.needs_input_grad[0]
-        dx, *grads = backward_op(dout, *saved, *ctx.constants, need_x)
-        ga, gb, ua, ub, da, db = saved[3:5] + saved[7:9] + saved[11:13]
-        grads = [g.to(t.dtype) for g, t in zip(grads, (ga, gb, ua, ub, da, db))]
-        return (dx.to(ctx.x_dtype) if need_x else None, None, None, grads[0], grads[1], None, None, grads[2],
-                grads[3], None, None, grads[4], grads[5], None, None, None, None, None, None)
-
-    op.register_autograd(backward, setup_context=setup_context)
+    op.register_autograd(_backward, setup_context=_setup_context)
     return op
+
+
+def _weights(x, gw, gabs, ga, gb, uw, uabs, ua, ub, dw, dabs, da, db, blocksize, quant_type, compute):
+    """The three 16-bit weights (dequantised once per call, used by every chunk) and the six LoRA matrices in the
+    compute dtype."""
+    hidden, inter = x.shape[1], gb.shape[0]
+
+    def dequantized(weight, absmax, shape):
+        return nf4._dequantize(weight, absmax, (blocksize, quant_type, shape, compute))
+
+    return (dequantized(gw, gabs, (inter, hidden)), dequantized(uw, uabs, (inter, hidden)),
+            dequantized(dw, dabs, (hidden, inter)), [t.to(compute) for t in (ga, gb, ua, ub, da, db)])
+
+
+def _forward(x, gw, gabs, ga, gb, uw, uabs, ua, ub, dw, dabs, da, db, blocksize, quant_type, compute, scalings,
+            p, chunk):
+    import torch
+
+    tokens, hidden = x.shape
+    inter = gb.shape[0]
+    gs, us, ds = scalings
+    wg, wu, wd, lora = _weights(x, gw, gabs, ga, gb, uw, uabs, ua, ub, dw, dabs, da, db, blocksize, quant_type,
+                               compute)
+    x = x.to(compute)
+    out = x.new_empty(tokens, hidden)
+    hs = [x.new_empty(tokens, t.shape[0]) for t in (ga, ua, da)]
+    masks = [torch.empty(mlp_ops.mask_shape(tokens, n, p), dtype=torch.uint8, device=x.device)
+             for n in (hidden, hidden, inter)]
+    for start, end in mlp_ops._chunks(tokens, chunk):
+        xc = x[start:end]
+        g, hs[0][start:end], mg = mlp_ops._project(xc, wg, lora[0], lora[1], gs, p)
+        u, hs[1][start:end], mu = mlp_ops._project(xc, wu, lora[2], lora[3], us, p)
+        act = mlp_ops._activation(g, u, None, 0.0)
+        del g, u
+        out[start:end], hs[2][start:end], md = mlp_ops._project(act, wd, lora[4], lora[5], ds, p)
+        del act
+        for packed, bits in zip(masks, (mg, mu, md)):
+            if bits is not None:
+                packed[start:end] = bits
+    return out, *hs, *masks
+
+
+def _fake(x, gw, gabs, ga, gb, uw, uabs, ua, ub, dw, dabs, da, db, blocksize, quant_type, compute, scalings,
+         p, chunk):
+    import torch
+
+    tokens, hidden = x.shape
+    inter = gb.shape[0]
+    out = x.new_empty(tokens, hidden, dtype=compute)
+    hs = [x.new_empty(tokens, t.shape[0], dtype=compute) for t in (ga, ua, da)]
+    masks = [x.new_empty(mlp_ops.mask_shape(tokens, n, p), dtype=torch.uint8) for n in (hidden, hidden, inter)]
+    return out, *hs, *masks
+
+
+def _backward_impl(dout, x, gw, gabs, ga, gb, uw, uabs, ua, ub, dw, dabs, da, db, hg, hu, hd, mg, mu, md,
+                  blocksize, quant_type, compute, scalings, p, chunk, need_x):
+    import torch
+
+    tokens, hidden = x.shape
+    gs, us, ds = scalings
+    wg, wu, wd, lora = _weights(x, gw, gabs, ga, gb, uw, uabs, ua, ub, dw, dabs, da, db, blocksize, quant_type,
+                               compute)
+    x, dout = x.to(compute), dout.to(compute)
+    # LoRA gradients summed over the chunks in fp32 (the adapter's dtype), each chunk's product in the compute
+    # dtype.
+    grads = [torch.zeros_like(t, dtype=torch.float32) for t in (ga, gb, ua, ub, da, db)]
+    dx = x.new_empty(tokens, hidden) if need_x else x.new_empty(0, hidden)
+    for start, end in mlp_ops._chunks(tokens, chunk):
+        xc, dy = x[start:end], dout[start:end]
+        mask_g, mask_u, mask_d = (None if p == 0.0 else m[start:end] for m in (mg, mu, md))
+        # g and u again (their A outputs were saved, with the forward's masks)
+        g = xc @ wg.t()
+        g.addmm_(hg[start:end], lora[1].t(), alpha=gs)
+        u = xc @ wu.t()
+        u.addmm_(hu[start:end], lora[3].t(), alpha=us)
+        act = mlp_ops._activation(g, u, None, 0.0)                    # the down projection's input
+        dh = mlp_ops._lora_grads(dy, act, mask_d, hd[start:end], lora[5], ds, p, grads, 4)
+        del act
+        dact = mlp_ops._input_grad(dy, dh, mask_d, wd, lora[4], p)
+        mlp_ops._swiglu_grads_(g, u, dact)                            # g, u := d gate, d up
+        del dact
+        dh_g = mlp_ops._lora_grads(g, xc, mask_g, hg[start:end], lora[1], gs, p, grads, 0)
+        dh_u = mlp_ops._lora_grads(u, xc, mask_u, hu[start:end], lora[3], us, p, grads, 2)
+        dxc = mlp_ops._input_grad(g, dh_g, mask_g, wg, lora[0], p)
+        dxc.add_(mlp_ops._input_grad(u, dh_u, mask_u, wu, lora[2], p))
+        del g, u
+        if need_x:
+            dx[start:end] = dxc
+    return dx, *grads
+
+
+def _backward_fake(dout, x, gw, gabs, ga, gb, uw, uabs, ua, ub, dw, dabs, da, db, hg, hu, hd, mg, mu, md,
+                  blocksize, quant_type, compute, scalings, p, chunk, need_x):
+    import torch
+
+    dx = x.new_empty(x.shape[0] if need_x else 0, x.shape[1], dtype=compute)
+    return dx, *(torch.empty_like(t, dtype=torch.float32) for t in (ga, gb, ua, ub, da, db))
+
+
+def _setup_context(ctx, inputs, output):
+    (x, gw, gabs, ga, gb, uw, uabs, ua, ub, dw, dabs, da, db, blocksize, quant_type, compute, scalings, p,
+     chunk) = inputs
+    ctx.save_for_backward(x, gw, gabs, ga, gb, uw, uabs, ua, ub, dw, dabs, da, db, *output[1:])
+    ctx.constants = (blocksize, quant_type, compute, scalings, p, chunk)
+    ctx.x_dtype = x.dtype
+
+
+def _backward(ctx, dout, *_unused):
+    saved = ctx.saved_tensors
+    need_x = ctx.needs_input_grad[0]
+    dx, *grads = _OP["backward"](dout, *saved, *ctx.constants, need_x)
+    ga, gb, ua, ub, da, db = saved[3:5] + saved[7:9] + saved[11:13]
+    grads = [g.to(t.dtype) for g, t in zip(grads, (ga, gb, ua, ub, da, db))]
+    return (dx.to(ctx.x_dtype) if need_x else None, None, None, grads[0], grads[1], None, None, grads[2],
+            grads[3], None, None, grads[4], grads[5], None, None, None, None, None, None)
 
 
 def qlora_mlp(x, projections, dropout_p: float, chunk: int = CHUNK_TOKENS):
