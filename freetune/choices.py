@@ -15,8 +15,8 @@ The precision policy, and why:
 from __future__ import annotations
 
 from freetune.errors import FreetuneError
-from freetune.speed.attention import (EFFICIENT_BACKENDS, POLICY_BACKENDS, VARLEN_ATTENTION, VARLEN_KERNEL_NAMES, varlen_backend,
-                           varlen_works)
+from freetune.speed.attention import (EFFICIENT_BACKENDS, POLICY_BACKENDS, VARLEN_ATTENTION, VARLEN_KERNEL_NAMES,
+                                      varlen_backend, varlen_works)
 from freetune.hardware import Hardware
 from freetune.memory import TILE_TOKENS, ModelShape, embedding_bytes, estimate, shape_of
 
@@ -96,7 +96,7 @@ def choose_frozen_dtype(policy: str, compute_dtype: str) -> tuple[str, str]:
 # ---- what the architecture allows ----------------------------------------------------------------------------------
 
 def varlen_why_not(shape: ModelShape | None, max_length: int) -> str:
-    """Why freetune's padding-free attention (freetune.speed.attention) cannot honour this model ('' where it can): its kernels
+    """Why freetune's padding-free attention (freetune.fast) cannot honour this model ('' where it can): its kernels
     take the rows' boundaries only, no sliding window and no soft-capping."""
     if shape is None:
         return ""
@@ -110,7 +110,7 @@ def varlen_why_not(shape: ModelShape | None, max_length: int) -> str:
 
 
 def graphs_why_not(shape: ModelShape | None) -> str:
-    """Why freetune.speed.cuda_graphs cannot replay this model's layers ('' where it can): it replays one set of keyword
+    """Why freetune.graphed_layers cannot replay this model's layers ('' where it can): it replays one set of keyword
     arguments (mask, rotary embeddings) for every layer."""
     if shape is not None and shape.experts:
         return (f"{shape.model_type or shape.name} is a mixture of experts: the experts' LoRA weights (peft's "
@@ -123,7 +123,7 @@ def graphs_why_not(shape: ModelShape | None) -> str:
 
 
 def mlp_why_not(shape: ModelShape | None) -> str:
-    """Why freetune.speed.mlp cannot stand in for this model's MLP ('' where it can)."""
+    """Why freetune.fused_mlp cannot stand in for this model's MLP ('' where it can)."""
     from freetune.speed.mlp import MLP_MODEL_TYPES
 
     if shape is None or shape.model_type in MLP_MODEL_TYPES:
@@ -291,7 +291,7 @@ def choose_lora_kernel(device: str, layout: str) -> tuple[str, str]:
                         "(a CPU is bound by arithmetic, not by launches)")
     if layout == "fsdp":
         return "peft", "FSDP flattens the 4-bit weights into its shards; peft's layers read them back from there"
-    return "fused", ("one autograd node per LoRA 4-bit layer instead of ~10 (freetune.speed.lora_kernel): the step of a "
+    return "fused", ("one autograd node per LoRA 4-bit layer instead of ~10 (freetune.kernels): the step of a "
                      "small model is bound by kernel launches, not by the GPU's arithmetic")
 
 
@@ -301,7 +301,7 @@ def every_layer_checkpointed(common: dict) -> bool:
 
 
 def choose_mlp_kernel(shape, budget_gib: float, max_length: int, common: dict) -> tuple[str, str]:
-    """(MLP kernel, why), where every layer is checkpointed (memory is tight): "traced" (freetune.speed.mlp: the SwiGLU
+    """(MLP kernel, why), where every layer is checkpointed (memory is tight): "traced" (freetune.fused_mlp: the SwiGLU
     MLP as one autograd node in the compiled layer; its backward recomputes gate and up, two more 4-bit matmuls per
     layer on a GPU that waits for the host anyway, and holds two tokens x intermediate tensors instead of seven, and two
     chunks of them);
@@ -320,11 +320,11 @@ def choose_mlp_kernel(shape, budget_gib: float, max_length: int, common: dict) -
     one_row = estimate(shape, max_length=max_length, micro_batch=1, **settings)
     if one_row.total_gib <= budget_gib:
         return "traced", ("every layer is checkpointed: the MLP's backward recomputes gate and up instead of keeping "
-                          "them and holds 2 instead of 7 tokens x intermediate tensors (freetune.speed.mlp), for a "
+                          "them and holds 2 instead of 7 tokens x intermediate tensors (freetune.fused_mlp), for a "
                           "larger micro-batch in the same memory")
     chunked = estimate(shape, max_length=max_length, micro_batch=1, **{**settings, "mlp_kernel": "chunked"})
     return "chunked", (f"one row of {max_length} tokens needs ~{one_row.total_gib:.1f} GiB with the MLP as one node, "
-                       f"~{chunked.total_gib:.1f} with its backward in chunks of tokens (freetune.speed.mlp), "
+                       f"~{chunked.total_gib:.1f} with its backward in chunks of tokens (freetune.fused_mlp), "
                        f"of {budget_gib:.1f} GiB: rows need not be cut")
 
 
@@ -348,7 +348,7 @@ GRAPHS_LOSS_TILE_TOKENS = 512
 
 def choose_cuda_graphs(common: dict, layout: str, lora_dropout: float | None,
                        shape: ModelShape | None = None) -> tuple[bool, str]:
-    """(replay the checkpointed decoder layers as CUDA graphs?, why): freetune.speed.cuda_graphs, where every layer is
+    """(replay the checkpointed decoder layers as CUDA graphs?, why): freetune.graphed_layers, where every layer is
     checkpointed in one CUDA process with fused, compiled LoRA layers, padding-free rows and no dropout.
     lora_dropout None: no padding-free rows on this machine."""
     if common.get("device") != "cuda":
@@ -380,7 +380,7 @@ def graph_tokens(micro_batch: int, max_length: int) -> int:
 
 def choose_embeddings(shape, common: dict, layout: str) -> tuple[bool, str]:
     """(keep the input embedding table in host RAM?, why): on one GPU where every layer is checkpointed (memory is
-    tight), unless the lm_head shares the table (freetune.speed.host_embeddings)."""
+    tight), unless the lm_head shares the table (freetune.host_embeddings)."""
     size = embedding_bytes(shape, common.get("frozen_dtype", "float32")) / 2**20
     if common.get("device") != "cuda":
         return False, "a CPU run: the whole model is in host RAM already"
@@ -425,7 +425,7 @@ def this_gpu() -> int:
 def varlen_attention_reason() -> str:
     """The plan's attention reason once padding-free batching chose freetune's varlen attention."""
     return (f"padding-free rows through PyTorch's variable-length "
-            f"{VARLEN_KERNEL_NAMES.get(varlen_backend(this_gpu()), 'attention')} kernel (freetune.speed.attention); anything "
+            f"{VARLEN_KERNEL_NAMES.get(varlen_backend(this_gpu()), 'attention')} kernel (freetune.fast); anything "
             f"else through sdpa")
 
 

@@ -353,11 +353,11 @@ def layer_activation_bytes(shape: ModelShape, *, lora_rank: int, lora_targets="a
 # Checkpointed layers' inputs still on the GPU when offloaded (TRL's activation offloading): the ones whose copy to
 # the host is in flight in the forward, and the ones fetched back ahead of their layer's backward.
 OFFLOAD_RESIDENT_LAYERS = 3
-# torch.compile'd decoder layers (freetune.speed.compiled_layers.compile_layers) save what the fused graph's backward needs, not
+# torch.compile'd decoder layers (freetune.kernels.compile_layers) save what the fused graph's backward needs, not
 # every eager op's inputs: measured on an H200 (docs/performance.md), a compiled Qwen2.5-1.5B layer holds
 # this share of the eager layer's counted bytes per token.
 COMPILED_ACTIVATION_SHARE = 0.34
-# freetune.speed.lora_kernel's fused LoRA layers save their input once (shared by the projections that read it) and dropout's
+# freetune.kernels' fused LoRA layers save their input once (shared by the projections that read it) and dropout's
 # 1-byte mask, where peft's layers keep each projection's dropped 16-bit copy: bytes per token less, per dimension.
 FUSED_DROPOUT_SAVING = dict(hidden=10, q=2, intermediate=2)
 # ... and, compiled, it saves each projection's dropout mask packed, 1 bit per input element instead of the byte these
@@ -367,22 +367,22 @@ PACKED_MASK_SAVING = 7 / 8
 
 
 def packed_mask_saving(shape: ModelShape, lora_targets="all-linear") -> float:
-    """Bytes per token per layer that freetune.speed.lora_kernel.pack_mask saves in a compiled layer: every adapted projection's
+    """Bytes per token per layer that freetune.kernels.pack_mask saves in a compiled layer: every adapted projection's
     mask, as bits."""
     dims = shape.linear_dims()
     return PACKED_MASK_SAVING * sum(dims[m][0] for m in shape.lora_modules(lora_targets))
 
 
-# freetune.speed.mlp's chunked op's backward: g, u, the activation's gradient and one more chunk-sized tensor at a time.
+# freetune.fused_mlp's chunked op's backward: g, u, the activation's gradient and one more chunk-sized tensor at a time.
 MLP_CHUNK_BUFFERS = 4
-# freetune.speed.mlp's traced function's backward: g and u for every token (d gate and d up take their place); the
+# freetune.fused_mlp's traced function's backward: g and u for every token (d gate and d up take their place); the
 # activation and its gradient a chunk at a time (mlp_chunk_bytes).
 TRACED_MLP_BUFFERS = 2
 TRACED_MLP_CHUNK_BUFFERS = 2
 
 
 def mlp_chunk_bytes(shape: ModelShape, compute_dtype: str = "bfloat16", mlp_kernel: str = "chunked") -> float:
-    """Bytes one layer's backward holds through freetune.speed.mlp whatever the token count: the chunked op, its
+    """Bytes one layer's backward holds through freetune.fused_mlp whatever the token count: the chunked op, its
     chunk-sized intermediate tensors (MLP_CHUNK_BUFFERS of CHUNK_TOKENS x intermediate) and the three dequantised
     weights; the traced function, TRACED_MLP_CHUNK_BUFFERS chunks (the activation and its gradient) and the down
     projection's dequantised weight (its per-token part is in activation_bytes_per_token). 0 for the per-projection MLP."""
@@ -405,7 +405,7 @@ def activation_bytes_per_token(shape: ModelShape, *, lora_rank: int, lora_target
     backward reaches it, and what one layer's backward adds on top (with checkpointing its recompute, too). The loss
     head runs between the two: the peak is resident + the larger of the head and the transient part.
 
-    mlp_kernel "chunked" or "traced" (freetune.speed.mlp): the MLP saves only its down projection's dropout mask as bits
+    mlp_kernel "chunked" or "traced" (freetune.fused_mlp): the MLP saves only its down projection's dropout mask as bits
     per intermediate element; the chunked op's backward holds chunk-sized intermediate tensors (mlp_chunk_bytes,
     counted apart), the traced function's TRACED_MLP_BUFFERS of them per token."""
     c = ACTIVATION_BYTES["16" if _is_16bit(compute_dtype) else "32"]
@@ -465,7 +465,7 @@ def embedding_bytes(shape: ModelShape, frozen_dtype: str = "float32") -> int:
 
 
 def keeps_8bit_absmax(lora_kernel: str, compiled: bool, mlp_kernel: str) -> bool:
-    """Whether the fused LoRA layers keep double-quantised weights' absmax values 8-bit (freetune.speed.nf4.quant_args:
+    """Whether the fused LoRA layers keep double-quantised weights' absmax values 8-bit (freetune.kernels.quant_args:
     compiled layers decode them inside their dequantisation kernels), rather than an fp32 copy: where every use is
     in a compiled layer. The chunked MLP op runs outside the graph and reads fp32 values."""
     return lora_kernel == "fused" and compiled and mlp_kernel != "chunked"
@@ -487,15 +487,15 @@ def estimate(shape: ModelShape, *, max_length: int, micro_batch: int, lora_rank:
     unit, so they are not upcast to fp32), and each GPU also holds what FSDP gathers to compute: the root unit
     (embeddings, lm_head, final norm) and two decoder layers (the one running and the one prefetched).
 
-    lora_kernel "fused" (freetune.speed.lora_kernel, never under FSDP): each double-quantised weight keeps its absmax values
+    lora_kernel "fused" (freetune.kernels, never under FSDP): each double-quantised weight keeps its absmax values
     8-bit where keeps_8bit_absmax, else dequantised once to fp32 (4 bytes per 64 weights). mlp_kernel "chunked" or
-    "traced": freetune.speed.mlp. embeddings_on_host: an untied input embedding table in host RAM
-    (freetune.speed.host_embeddings), off the GPU. cuda_graphs: freetune.speed.cuda_graphs' three buffers of the largest
+    "traced": freetune.fused_mlp. embeddings_on_host: an untied input embedding table in host RAM
+    (freetune.host_embeddings), off the GPU. cuda_graphs: freetune.graphed_layers' three buffers of the largest
     batch's hidden states (two in turn for the layers, one for the gradient), held for the whole run.
     """
     tokens = micro_batch * max_length
     # Fused layers that are not compiled keep a double-quantised weight's absmax values in fp32 instead
-    # (freetune.speed.nf4.quant_args): its memory is then a single-quantised one's.
+    # (freetune.kernels.quant_args): its memory is then a single-quantised one's.
     fp32_absmax = lora_kernel == "fused" and shards == 1 and not keeps_8bit_absmax(lora_kernel, compiled, mlp_kernel)
     weights_4bit = shape.quantized_params * NF4_BYTES_PER_PARAM[double_quant and not fp32_absmax]
     # frozen_dtype float32: peft's prepare_model_for_kbit_training casts every non-4-bit parameter to fp32, whatever
@@ -506,7 +506,7 @@ def estimate(shape: ModelShape, *, max_length: int, micro_batch: int, lora_rank:
     trainable = shape.lora_params(lora_rank, lora_targets)
     # fp32 LoRA weights and fp32 gradients; under DDP the gradient buckets hold one more copy of the gradients; in one
     # process the fused layers' 16-bit copies of the weights, alive over each forward and backward
-    # (freetune.speed.lora_kernel.cast_adapters_once_per_forward).
+    # (freetune.kernels.cast_adapters_once_per_forward).
     cast_once = lora_kernel == "fused" and world_size == 1 and shards == 1
     lora = trainable * (4 + 4 + (4 if world_size > 1 else 0) + (2 if cast_once else 0))
     state_bytes = OPTIMIZER_STATE_BYTES.get(optimizer.lower(), 8)  # unknown optimizers: AdamW's 8, the safe side

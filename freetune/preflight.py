@@ -109,7 +109,7 @@ class Plan:
     device: str                 # "cuda" or "cpu"
     compute_dtype: str          # "float16" | "bfloat16" | "float32": 4-bit matmuls and non-quantised weights
     mixed_precision: str        # "fp16" | "bf16" | "no": the Trainer's autocast mode
-    attn_implementation: str    # "sdpa" | "eager" | "flash_attention_2" | "freetune_varlen" (freetune.speed.attention)
+    attn_implementation: str    # "sdpa" | "eager" | "flash_attention_2" | "freetune_varlen" (freetune.fast)
     reasons: dict = field(default_factory=dict)
     layout: str | None = None   # "single" | "ddp" | "fsdp" | "cpu" (None: from device)
     world_size: int = 1         # processes (one per GPU) under DDP
@@ -118,22 +118,22 @@ class Plan:
     max_length: int = 1024      # tokens per row; longer rows are cut
     lora_dtype: str = "float32"
     policy: str = ""            # "turing" | "ampere" | "cpu"
-    batching: str = "padded"    # "padding_free" | "grouped" | "padded" (freetune.speed.batching)
+    batching: str = "padded"    # "padding_free" | "grouped" | "padded" (freetune.batching)
     sampler: str = "random"     # "random" | "length_grouped" | "rank_balanced": rows per rank and micro-batch
     gradient_checkpointing: bool = True  # recompute activations in the backward (chosen by memory when "auto")
-    lora_kernel: str = "peft"   # "fused" (freetune.speed.lora_kernel: one autograd node per 4-bit LoRA layer) | "peft"
+    lora_kernel: str = "peft"   # "fused" (freetune.kernels: one autograd node per 4-bit LoRA layer) | "peft"
     optimizer: str = "paged_adamw_8bit"  # the Trainer's `optim` (chosen by memory when "auto")
-    compile: bool = False       # torch.compile each decoder layer (freetune.speed.compiled_layers.compile_layers)
+    compile: bool = False       # torch.compile each decoder layer (freetune.kernels.compile_layers)
     frozen_dtype: str = "float32"  # the frozen non-4-bit weights (embeddings, norms, lm_head) and residual stream
     offload_activations: bool = False  # checkpointed layers' inputs kept in pinned host memory, not on the GPU
     loss_tile_tokens: int = 0   # tokens per tile of TRL's chunked loss head (0: TRL's own, 4,096; choose_loss_tile)
     checkpoint_every: int = 1   # with checkpointing on, every n-th decoder layer is checkpointed (1: all of them)
-    # "traced" (freetune.speed.mlp: the SwiGLU MLP as one autograd node, gate and up recomputed in its backward) |
+    # "traced" (freetune.fused_mlp: the SwiGLU MLP as one autograd node, gate and up recomputed in its backward) |
     # "chunked" (the same as one op over token chunks) | "layers" (each projection on its own)
     mlp_kernel: str = "layers"
-    embeddings_on_host: bool = False  # the input embedding table in host RAM while training (freetune.speed.host_embeddings)
+    embeddings_on_host: bool = False  # the input embedding table in host RAM while training (freetune.host_embeddings)
     # > 0: the checkpointed layers' forward and backward replayed as CUDA graphs, padding-free batches padded to a
-    # multiple of this many tokens (freetune.speed.cuda_graphs); 0: off
+    # multiple of this many tokens (freetune.graphed_layers); 0: off
     cuda_graph_tokens: int = 0
     model: str = ""             # the model the plan is for, as its config.json describes it
     asked: dict = field(default_factory=dict)  # make_plan's arguments (hardware apart), for replan
@@ -297,10 +297,10 @@ def make_plan(hardware: Hardware | None = None, *, model_shape: ModelShape | str
         one full 4-bit copy (with one row of max_length) fits each GPU, else FSDP (the weights, gradients and
         optimizer state sharded over the GPUs). "single", "ddp" or "fsdp" forces that choice.
     compile: "auto" (on a GPU, not under FSDP), "on" or "off": torch.compile each decoder layer
-        (freetune.speed.compiled_layers.compile_layers).
+        (freetune.kernels.compile_layers).
     longest_row: tokens of the data's longest row (freetune.audit counts them): the batch is sized for rows that
         long, not for max_length (`replan` re-makes a plan with it once the data is audited).
-    lora_dropout: the LoRA dropout the run will use; CUDA graphs (freetune.speed.cuda_graphs) need 0.
+    lora_dropout: the LoRA dropout the run will use; CUDA graphs (freetune.graphed_layers) need 0.
     Raises FreetuneError for a GPU the installed torch cannot run, before anything is loaded.
     """
     asked_for = {k: v for k, v in locals().items() if k != "hardware"}
