@@ -811,14 +811,14 @@ def apply_experiments(experiments: dict, shape: ModelShape, local_rank: int) -> 
 
         freetune.reach.trl.keep_cuda_cache_between_steps = lambda trainer: False
     if experiments.get("no_triton"):  # the custom ops' eager dequantisation and MLP helpers without Triton kernels
-        import freetune.speed.lora_kernel
+        import freetune.speed.nf4
 
         freetune.speed.nf4.triton_for = lambda t: None
     # The backward's input gradients d W written into the compiled graphs, not through freetune::dequantized_mm
     # (fewer op calls; inductor places the dequantisation, which the op exists to prevent: watch the peak; the
     # tenth session's result is in docs/performance.md)
     if experiments.get("inline_dgrad"):
-        import freetune.speed.lora_kernel
+        import freetune.speed.nf4
 
         dequantize = freetune.speed.nf4._dequantize
         freetune.speed.nf4.times_dequantized = (
