@@ -33,7 +33,6 @@ import torch
 from transformers import TrainerCallback
 from trl import SFTTrainer
 
-from freetune.speed.batching import PAD_KEY
 from freetune.checkpoint import identity, marker
 from freetune.checkpoint.hub import TOKENIZER_DIR  # beside the checkpoint-N folders: the run's tokenizer, once
 from freetune.distributed import barrier
@@ -41,6 +40,7 @@ from freetune.reach import peft_bnb as peft_bnb_reach
 from freetune.reach import trl as trl_reach
 from freetune.reach.torch import set_last_lrs
 from freetune.reach.versions import check_overridden, written_against
+from freetune.speed.batching import PAD_KEY
 from freetune.speed.sampler import rank_balanced_sampler
 
 

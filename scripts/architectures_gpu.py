@@ -105,9 +105,9 @@ def plans(model_dir: Path, multiple: int):
     {feature: "" or why it steps aside})."""
     import freetune
     from freetune import choices
-    from freetune.speed.attention import VARLEN_ATTENTION
     from freetune.memory import ModelShape
     from freetune.preflight import make_plan, read_hardware
+    from freetune.speed.attention import VARLEN_ATTENTION
 
     shape = ModelShape.named(str(model_dir))
     plan = make_plan(read_hardware("/tmp", "/tmp"), model_shape=shape, max_length=MAX_LENGTH, micro_batch=ROWS,
@@ -154,9 +154,9 @@ class FastPath:
         import torch
 
         from freetune import overrides
+        from freetune.memory import keeps_8bit_absmax
         from freetune.speed import attention, compiled_layers, cuda_graphs, lora_kernel, mlp
         from freetune.speed.batching import most_rows
-        from freetune.memory import keeps_8bit_absmax
 
         self.model, self.graphed, self.stream, self.applied = model, None, None, {}
         compiled = plan.compile and compile_layers

@@ -26,8 +26,8 @@ def main() -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     import freetune
-    from freetune.speed import compiled_layers, lora_kernel
     from freetune.preflight import make_plan
+    from freetune.speed import compiled_layers, lora_kernel
 
     ctx = freetune.distributed.init(timeout_s=60)
     plan = make_plan(micro_batch=1, grad_accum=1)

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from freetune import choices
-from freetune.speed import attention, batching, cuda_graphs, lora_kernel
 from freetune.fixtures import cached_tiny_model
 from freetune.memory import ModelShape
 from freetune.preflight import Hardware
+from freetune.speed import attention, batching, cuda_graphs, lora_kernel
 from test_graphed_layers import packed_batch, step
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "qwen3_moe")

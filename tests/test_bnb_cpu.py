@@ -113,8 +113,8 @@ def test_a_replacement_that_fails_is_checked_again_not_trusted(tmp_path):
 
     script = """
 import torch
-from freetune.speed import bnb_cpu
 from freetune.errors import FreetuneError
+from freetune.speed import bnb_cpu
 
 bnb_cpu.ensure_correct_dequantize()
 zeros = lambda A, absmax, blocksize, quant_type, shape, dtype: torch.zeros(shape, dtype=dtype)

@@ -42,10 +42,10 @@ def test_padding_free_path_matches_the_plain_loss_and_computes_no_padding(tiny_m
     from trl import SFTTrainer
 
     import freetune
-    from freetune.speed import batching
-    from freetune.reach import trl as trl_reach
     from freetune.model import adapter_dtype_guard
     from freetune.preflight import Plan
+    from freetune.reach import trl as trl_reach
+    from freetune.speed import batching
 
     steps, micro, accum = 4, 4, 2
 
@@ -117,9 +117,9 @@ def test_padding_free_path_matches_the_plain_loss_and_computes_no_padding(tiny_m
 
 
 def test_the_plan_chooses_the_fast_path_and_says_why(monkeypatch):
-    from freetune.speed import attention
     from freetune.memory import KNOWN_SHAPES
     from freetune.preflight import GPU, Hardware, make_plan
+    from freetune.speed import attention
 
     def machine(name, capability, memory_gib, bf16):
         return Hardware(gpus=[GPU(name, capability, memory_gib)], arch_list=["sm_75", "sm_80", "sm_90"],
@@ -272,8 +272,8 @@ def test_a_4bit_models_fp32_queries_run_the_16bit_kernel_under_mixed_precision(t
     import transformers.integrations.sdpa_attention as sdpa
 
     import freetune
-    from freetune.speed import attention
     from freetune.preflight import Plan
+    from freetune.speed import attention
 
     plan = Plan(device="cpu", compute_dtype="bfloat16", mixed_precision="bf16",
                 attn_implementation=attention.VARLEN_ATTENTION, micro_batch=1, grad_accum=1, gradient_checkpointing=False)
@@ -330,8 +330,8 @@ def _padding_free_vs_alone(model_dir, device: str, backend: str):
     import torch
 
     import freetune
-    from freetune.speed import attention
     from freetune.preflight import Plan
+    from freetune.speed import attention
 
     cuda = device == "cuda"
     dtype = {"flash": "bfloat16", "efficient": "float16", "efficient_copied": "float16"}.get(backend, "float32")

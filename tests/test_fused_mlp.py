@@ -6,10 +6,10 @@ Real bitsandbytes NF4 weights and peft adapters on a CPU (the same code a GPU ru
 import pytest
 import torch
 
-from freetune.speed import compiled_layers, lora_kernel, mlp_ops
-from freetune.speed import mlp as fused_mlp  # not `mlp`: the tests name a model's MLP module that
 from freetune.memory import ModelShape, estimate, keeps_8bit_absmax
 from freetune.preflight import Hardware
+from freetune.speed import compiled_layers, lora_kernel, mlp_ops
+from freetune.speed import mlp as fused_mlp  # not `mlp`: the tests name a model's MLP module that
 from test_kernels import gpu, loss_and_grads, quantized_lora_model
 
 

@@ -5,10 +5,10 @@ replacement and its undoing are what runs here; the copy to a GPU runs in the GP
 import pytest
 import torch
 
-from freetune.speed import host_embeddings
 from freetune.fixtures import cached_tiny_model
 from freetune.model import attach_lora, load_base_model
 from freetune.preflight import Hardware, make_plan
+from freetune.speed import host_embeddings
 
 
 def _loss_and_grads(model, ids):

@@ -8,9 +8,9 @@ rounding a GPU run sees.
 import pytest
 import torch
 
-from freetune.speed import compiled_layers, lora_kernel, nf4
 from freetune.errors import FreetuneError
 from freetune.preflight import GPU, Hardware, make_plan
+from freetune.speed import compiled_layers, lora_kernel, nf4
 
 
 def quantized_lora_model(model_dir, dtype, dropout=0.0, **lora):

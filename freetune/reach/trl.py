@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import warnings
 
-from freetune.speed.batching import AlignedPaddingFree
 from freetune.reach import versions  # imported first: the installed releases checked before any reach is used
+from freetune.speed.batching import AlignedPaddingFree
 
 WRITTEN_AGAINST = {"trl": "1.16"}
 

@@ -36,9 +36,9 @@ from __future__ import annotations
 import inspect
 
 from freetune.errors import FreetuneError
-from freetune.speed.feature import Feature
 from freetune.reach.torch import flash_attention_forward
 from freetune.speed.attention_efficient import efficient_op
+from freetune.speed.feature import Feature
 
 VARLEN_ATTENTION = "freetune_varlen"  # the name registered with transformers' AttentionInterface
 
