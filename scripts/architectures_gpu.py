@@ -21,7 +21,8 @@ the loss scaled (x1024, unscaled in the gradients) as the GradScaler does, fp16 
 cuDNN attention off (sdpa's memory-efficient and math kernels; the varlen kernel on the T4 policy is the
 memory-efficient one, sm50+). What stays the H200's: its compute, bandwidth, and sm90 builds of the kernels.
 
-Usage (GPU machine, freetune's wheels installed): python3 scripts/architectures_gpu.py --out reports/gpu/architectures.json
+Usage (GPU machine, freetune's wheels installed):
+    python3 scripts/architectures_gpu.py --out reports/gpu/architectures.json
 (~1 min per architecture, most of it compiling; --no-compile skips compile, --only llama,qwen2 a subset)
 """
 

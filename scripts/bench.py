@@ -129,7 +129,8 @@ def shape_named(name: str) -> ModelShape:
     not the tiny shape (which made the Qwen3-8B runs' MFU read 0.0%)."""
     found = [s for s in (TINY_SHAPE, *KNOWN_SHAPES.values()) if s.name == name]
     if not found:
-        raise KeyError(f"no shape named {name!r} in bench's shapes ({', '.join(s.name for s in KNOWN_SHAPES.values())})")
+        raise KeyError(f"no shape named {name!r} in bench's shapes "
+                       f"({', '.join(s.name for s in KNOWN_SHAPES.values())})")
     return found[0]
 
 
@@ -858,8 +859,8 @@ def apply_experiments(experiments: dict, shape: ModelShape, local_rank: int) -> 
 def apply_ddp_experiments(experiments: dict, config) -> list:
     """The DDP settings a --variants run asks for, on `config` (and the Trainer); returns callbacks to add.
 
-    ddp_split=true:   dynamo's DDPOptimizer back on (freetune.speed.compiled_layers.compile_layers turns it off): each compiled
-                      layer cut where a gradient bucket fills;
+    ddp_split=true:   dynamo's DDPOptimizer back on (freetune.speed.compiled_layers.compile_layers turns it off):
+                      each compiled layer cut where a gradient bucket fills;
     static_graph=true: DDP(static_graph=True), the reducer's per-step bookkeeping done once;
     bucket_view=true:  DDP(gradient_as_bucket_view=True), the gradients kept in the buckets (no copy in and out);
     bucket_mb=N:       DDP(bucket_cap_mb=N);

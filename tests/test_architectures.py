@@ -138,7 +138,8 @@ def test_varlen_attention_refuses_a_window_or_a_cap_it_would_drop():
     from freetune.errors import FreetuneError
 
     module = torch.nn.Module()
-    attention.refuse_what_varlen_drops(module, 64, {"sliding_window": 64})  # a window as long as the rows: nothing slides
+    # a window as long as the rows: nothing slides
+    attention.refuse_what_varlen_drops(module, 64, {"sliding_window": 64})
     attention.refuse_what_varlen_drops(module, 64, {})
     with pytest.raises(FreetuneError, match="a sliding window of 16 tokens"):
         attention.refuse_what_varlen_drops(module, 64, {"sliding_window": 16})

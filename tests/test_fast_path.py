@@ -276,7 +276,8 @@ def test_a_4bit_models_fp32_queries_run_the_16bit_kernel_under_mixed_precision(t
     from freetune.speed import attention
 
     plan = Plan(device="cpu", compute_dtype="bfloat16", mixed_precision="bf16",
-                attn_implementation=attention.VARLEN_ATTENTION, micro_batch=1, grad_accum=1, gradient_checkpointing=False)
+                attn_implementation=attention.VARLEN_ATTENTION, micro_batch=1, grad_accum=1,
+                gradient_checkpointing=False)
     model = freetune.model.load_base_model(str(tiny_model_dir), plan)
     model, _, _ = freetune.model.attach_lora(model, rank=8, alpha=16, dropout=0.0, seed=0)
     seen = []

@@ -19,7 +19,7 @@ def module_name(path) -> str:
 
 
 def imported_modules(module: str, node, modules: set, is_package: bool) -> set:
-    """The freetune modules an import statement names (`from freetune import kernels` names freetune.speed.lora_kernel)."""
+    """The freetune modules an import statement names (`from freetune.speed import mlp` names freetune.speed.mlp)."""
     if isinstance(node, ast.Import):
         names = [alias.name for alias in node.names]
     else:

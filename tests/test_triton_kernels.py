@@ -148,7 +148,8 @@ def check_mlp_backward_op(device):
     triton_kernels.run = lambda name, *a: launched.append(name) or real_run(name, *a)
     try:
         for dropout in (0.0, 0.1):
-            md = lora_kernel.pack_mask(torch.rand(tokens, inter, generator=gen).to(device) > dropout) if dropout else None
+            kept = torch.rand(tokens, inter, generator=gen).to(device) > dropout
+            md = lora_kernel.pack_mask(kept) if dropout else None
 
             def run():
                 gi, ui = g.clone(), u.clone()

@@ -56,7 +56,7 @@ def single_quantised(quant_state, absmax) -> None:
     quant_state.offset = None
 
 
-# ---- bitsandbytes 0.50: its CPU 4-bit kernel and layouts (freetune.speed.bnb_cpu) -----------------------------------------
+# ---- bitsandbytes 0.50: its CPU 4-bit kernel and layouts (freetune.speed.bnb_cpu) ------------------------------------
 
 _BNB_CPU_KERNELS: list = []  # the torch.library.Library holding freetune's kernel: freed, it would unregister it
 

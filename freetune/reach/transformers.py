@@ -62,7 +62,7 @@ class NonFiniteGuard:
         return _Guard()
 
 
-# ---- transformers 5.17: the decoder layers' checkpoint function (freetune.speed.cuda_graphs) --------------------------
+# ---- transformers 5.17: the decoder layers' checkpoint function (freetune.speed.cuda_graphs) -------------------------
 
 def replace_checkpoint_function(layer, function):
     """transformers 5.17: a GradientCheckpointingLayer with checkpointing on calls
@@ -73,13 +73,13 @@ def replace_checkpoint_function(layer, function):
     return previous
 
 
-# ---- transformers 5.17: the batch sampler the Trainer hands to the DataLoader (freetune.speed.sampler) -------------------
+# ---- transformers 5.17: the batch sampler the Trainer hands to the DataLoader (freetune.speed.sampler) ---------------
 
 @functools.cache
 def rank_balanced_sampler_class(deal):
     """transformers 5.17: a BatchRebalanceSampler whose rows per rank and micro-batch come from
-    `deal(order, lengths, ranks, grad_accum)` (freetune.speed.sampler.step_rows). It overrides the private _assign, which
-    the base class's private _yield_global_batch calls for every optimizer step's rows."""
+    `deal(order, lengths, ranks, grad_accum)` (freetune.speed.sampler.step_rows). It overrides the private _assign,
+    which the base class's private _yield_global_batch calls for every optimizer step's rows."""
     # A subclass of transformers' BatchRebalanceSampler: the Trainer hands that class to the DataLoader as its
     # batch_sampler and keeps accelerate from sharding it again (it is rank-aware already). Its own assignment
     # sizes micro-batches by a padded-cost model (more rows where rows are short), which would break the plan's

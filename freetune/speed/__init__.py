@@ -5,11 +5,11 @@ model (and why not), and how it installs itself and is undone. The order matters
 earlier one put in place: CUDA graphs replay the layers whose LoRA weights the LoRA kernel casts once per forward;
 the MLP kernel stands in for MLPs over fused LoRA layers; layers are compiled last, over everything else.
 
-Helpers the features use, installed elsewhere: batching (the padding-free collator, put in by
+Modules the features use, installed elsewhere or by them: batching (the padding-free collator, put in by
 freetune.trainer.FreetuneTrainer), bnb_cpu (bitsandbytes' CPU 4-bit kernel fixed at model load, freetune.model),
-triton_kernels (launched by the fused LoRA and MLP ops on a GPU), nf4 (the 4-bit weights' state as plain tensors),
-layer_graphs (what cuda_graphs records and replays), lora_cast (the LoRA weights cast once per forward),
-mlp_traced (the traced MLP).
+nf4 (a 4-bit weight's state as plain tensors, and its dequantisation), triton_kernels (launched by the fused LoRA and
+MLP ops on a GPU), attention_efficient (the memory-efficient kernel's custom ops), layer_graphs (what cuda_graphs
+records and replays), mlp_ops and mlp_traced (the fused MLP's parts and its traced form).
 
 Feature modules are imported when training asks for them (features()), not with this package: batching and the
 reaches that import it stay light.

@@ -45,10 +45,11 @@ VARLEN_ATTENTION = "freetune_varlen"  # the name registered with transformers' A
 
 # ---------------------------------------------------------------------------------------------- attention --
 
-# What every attention call reads runs inside the compiled decoder layers (freetune.speed.compiled_layers.compile_layers), so it
-# reads plain module dicts filled beforehand, never a functools.cache'd function: dynamo ignores the cache and
-# traces the function itself: calling the cached probe from the attention function ran the whole probe (a forward
-# and backward on test tensors, and a graph break) in every attention call of every step.
+# What every attention call reads runs inside the compiled decoder layers
+# (freetune.speed.compiled_layers.compile_layers), so it reads plain module dicts filled beforehand, never a
+# functools.cache'd function: dynamo ignores the cache and traces the function itself: calling the cached probe from the
+# attention function ran the whole probe (a forward and backward on test tensors, and a graph break) in every attention
+# call of every step.
 _CHOSEN: dict = {}   # GPU index -> (backend or "", why): set by varlen_works, eagerly (plan, train)
 _VARLEN: dict = {}   # "fn": torch.nn.attention.varlen.varlen_attn or None, "params": its keyword names
 
@@ -74,7 +75,8 @@ def _varlen_fn():
 #                   (xformers/CUTLASS) kernel PyTorch builds for sm50 and newer, so the one a T4 (sm75) can run;
 #                   causal inside each row, nothing across rows. It takes equal head counts: grouped-query heads are
 #                   handled a kv head at a time (freetune.speed.attention_efficient);
-#   "efficient_copied"  the same kernel, with the heads copied into parts (freetune.speed.attention_efficient): the fallback.
+#   "efficient_copied"  the same kernel, with the heads copied into parts (freetune.speed.attention_efficient):
+#                       the fallback.
 EFFICIENT_BACKENDS = ("efficient", "efficient_copied")  # the memory-efficient kernel's two layouts
 VARLEN_BACKENDS = ("flash", "torch_varlen", *EFFICIENT_BACKENDS)
 # What each precision policy may use: a T4 (Turing, sm75) has no FlashAttention-2 kernel in PyTorch, and the T4
@@ -199,7 +201,8 @@ def kernel_dtype(query):
 def register_attention() -> str:
     """Register freetune's attention with transformers (idempotent); returns its attn_implementation name.
 
-    Its mask is sdpa's, except for a padding-free training batch on a GPU with a variable-length kernel (varlen_mask)."""
+    Its mask is sdpa's, except for a padding-free training batch on a GPU with a variable-length kernel
+    (varlen_mask)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 

@@ -11,8 +11,8 @@ call. torch.compile's own CUDA graphs (mode="reduce-overhead") do not survive a 
   calls `_gradient_checkpointing_func(partial(layer.__call__, **kwargs), hidden_states)`) with `_Checkpoint`, an
   autograd function whose forward runs the layer without autograd and whose backward runs it again with autograd and
   takes the gradients of its input and of its 16-bit LoRA weights (the copies that
-  freetune.speed.lora_kernel.cast_adapters_once_per_forward makes once per forward; their gradients go back to the fp32 weights
-  as before).
+  freetune.speed.lora_kernel.cast_adapters_once_per_forward makes once per forward; their gradients go back to the fp32
+  weights as before).
 - Fixed shapes: the padding-free batch is padded to a multiple of plan.cuda_graph_tokens tokens
   (batching.AlignedPaddingFree with rows of at most max_length tokens, which train nothing); the row boundaries
   (cu_seq_lens) are padded with empty rows to a fixed count and the longest row given as max_length, so one graph
@@ -27,8 +27,8 @@ call. torch.compile's own CUDA graphs (mode="reduce-overhead") do not survive a 
   nothing lives in the pool between two graphs, each graph's inputs and outputs are the buffers above), and every
   later batch of that count replays them, one call per layer and direction. A recording that fails runs its batch
   without graphs, says why, and is tried once more at a later batch.
-- The training runs on a CUDA stream of its own (freetune.speed.cuda_graphs.callback), the graphs are recorded on it: cuBLAS keeps a workspace
-  per stream, and a second stream would hold a second one.
+- The training runs on a CUDA stream of its own (freetune.speed.cuda_graphs.callback), the graphs are recorded on it:
+  cuBLAS keeps a workspace per stream, and a second stream would hold a second one.
 
 The same arithmetic as transformers' checkpoint over the same compiled layers: the padding rows' gradients are zero
 (their labels are ignored and attention keeps rows apart), the loss is the same (tests/test_graphed_layers.py compares
@@ -58,8 +58,8 @@ def decoder_layers(model) -> list:
 
 
 def lora_pairs(layer) -> list | None:
-    """The 16-bit (A, B) copies of `layer`'s fused LoRA projections this forward (freetune.speed.lora_kernel), flattened in
-    module order; None where a projection has none (its weights are not cast once per forward: not graphed)."""
+    """The 16-bit (A, B) copies of `layer`'s fused LoRA projections this forward (freetune.speed.lora_kernel), flattened
+    in module order; None where a projection has none (its weights are not cast once per forward: not graphed)."""
     pairs = []
     for module in layer.modules():
         if stashed(module, lora_kernel.FUSED_ATTR, False):

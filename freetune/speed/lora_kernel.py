@@ -265,8 +265,8 @@ def cast_adapters_once_per_forward(model, same_buffers: bool = False):
     copies stay alive from the forward to the end of the backward (2 bytes per LoRA weight, counted by
     freetune.memory.estimate).
 
-    same_buffers: the copies written into the same buffers at every forward (freetune.speed.cuda_graphs' CUDA graphs read
-    them at fixed addresses); they then stay allocated between steps."""
+    same_buffers: the copies written into the same buffers at every forward (freetune.speed.cuda_graphs' CUDA graphs
+    read them at fixed addresses); they then stay allocated between steps."""
     layers, adapters = [], []
     for module in model.modules():
         if stashed(module, FUSED_ATTR, False):

@@ -211,7 +211,8 @@ def qlora_mlp(x, projections, dropout_p: float, chunk: int = CHUNK_TOKENS):
 
 def _fused_mlp_forward(self, x, *args, **kwargs):
     """Replacement forward of one SwiGLU MLP whose three projections are fused LoRA layers (use_fused_mlp)."""
-    projections = [lora_kernel.fused_call_args(getattr(self, name), x) for name in ("gate_proj", "up_proj", "down_proj")]
+    projections = [lora_kernel.fused_call_args(getattr(self, name), x)
+                   for name in ("gate_proj", "up_proj", "down_proj")]
     ps = {p["dropout_p"] for p in projections if p is not None}
     if args or kwargs or any(p is None for p in projections) or len(ps) != 1:
         return type(self).forward(self, x, *args, **kwargs)
@@ -222,8 +223,8 @@ def _fused_mlp_forward(self, x, *args, **kwargs):
 
 def use_fused_mlp(model, chunk: int = CHUNK_TOKENS, kernel: str = "chunked") -> tuple[int, int]:
     """Give every SwiGLU MLP of `model` whose gate, up and down projections are fused LoRA layers (run
-    lora_kernel.use_fused_lora first) the fused forward: kernel "traced" (QLoRAMLP) or "chunked" (qlora_mlp, in chunks of
-    `chunk` tokens); returns (fused MLPs, MLPs seen). Idempotent; the module's own forward takes over for evaluation
+    lora_kernel.use_fused_lora first) the fused forward: kernel "traced" (QLoRAMLP) or "chunked" (qlora_mlp, in chunks
+    of `chunk` tokens); returns (fused MLPs, MLPs seen). Idempotent; the module's own forward takes over for evaluation
     and anything else the fused one does not do."""
     fused = seen = 0
     for module in model.modules():

@@ -80,8 +80,8 @@ _TRITON: dict = {}  # "module": freetune.speed.triton_kernels, or None where Tri
 
 
 def triton_for(t):
-    """freetune.speed.triton_kernels where its kernels run on `t`'s device, else None (Triton not installed, a CPU tensor,
-    or a launch that failed before): the callers' eager code then."""
+    """freetune.speed.triton_kernels where its kernels run on `t`'s device, else None (Triton not installed, a CPU
+    tensor, or a launch that failed before): the callers' eager code then."""
     if "module" not in _TRITON:
         try:
             from freetune.speed import triton_kernels

@@ -79,7 +79,8 @@ def _nf4_nested_kernel(packed_ptr, absmax_ptr, table_ptr, out_ptr, n_bytes, n_ou
 
 @triton.jit
 def _kept(mask_ptr, offs, inside, cols, mask_cols):
-    # dropout's keep-mask bit of each element (freetune.speed.lora_kernel.pack_mask: 8 per byte, the lowest bit first), 0 or 1
+    # dropout's keep-mask bit of each element, 0 or 1 (freetune.speed.lora_kernel.pack_mask: 8 per byte, the lowest
+    # bit first)
     row = offs // cols
     col = offs % cols
     bits = tl.load(mask_ptr + row * mask_cols + col // 8, mask=inside, other=0).to(tl.int32)
