@@ -384,3 +384,24 @@ def test_each_row_of_a_padding_free_batch_gets_its_own_logits_and_gradients(tiny
     torch.testing.assert_close(packed, alone, rtol=tol, atol=tol)
     for got, want in zip(packed_grads, alone_grads):
         assert (got - want).norm() <= tol * max(want.norm(), 1e-3), ((got - want).norm(), want.norm())
+
+
+@pytest.mark.parametrize("strided", [True, False])
+def test_the_memory_efficient_ops_forward_backward_and_autograd_run_through_on_meta_tensors(strided):
+    """freetune.speed.attention_efficient's custom ops, their grouped-query parts and their autograd, run end to end
+    on meta tensors (the aten kernels' shape functions: no GPU needed): every output and gradient has its input's
+    shape, the logsumexp one per q head and row. The numbers are the GPU tests' (the kernel needs a GPU)."""
+    import torch
+
+    from freetune.speed.attention_efficient import efficient_op
+
+    op = efficient_op()
+    q = torch.empty(16, 8, 64, device="meta", dtype=torch.float16, requires_grad=True)
+    k, v = (torch.empty(16, 2, 64, device="meta", dtype=torch.float16, requires_grad=True) for _ in range(2))
+    cu = torch.tensor([0, 8, 16], dtype=torch.int32, device="meta")
+    out, lse = torch.ops.freetune.varlen_efficient(q, k, v, cu, 8, None, strided)
+    assert out.shape == q.shape and lse.shape[1] == q.shape[1]
+    grads = torch.ops.freetune.varlen_efficient_backward(out, q, k, v, out, lse, cu, 8, None, strided)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    op(q, k, v, cu, 8, None, strided).sum().backward()
+    assert (q.grad.shape, k.grad.shape, v.grad.shape) == (q.shape, k.shape, v.shape)
