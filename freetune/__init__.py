@@ -13,8 +13,8 @@ Modules, in the order a recipe uses them:
   train        the SFTConfig from the plan, the run with progress, memory and a summary (run_summary.json)
   trainer      FreetuneTrainer: every override of the Trainer's and SFTTrainer's methods, in one class
   overrides    every other reach into transformers / TRL / peft / bitsandbytes internals; the version check
-  fast         the fast path's attention (variable-length kernels); batching (padding-free rows), sampler (rows
-               per rank), kernels (the fused QLoRA layer, compiled decoder layers) are its other parts
+  speed        the speed features, one module each (attention, the fused LoRA layer, MLP, CUDA graphs, host
+               embeddings, sampler, compiled layers, ...): each says whether it applies, train installs them in order
   tracking     eval loss while training, the overfitting warning, report_to (TensorBoard, Trackio)
   checkpoint   complete-or-ignored checkpoints, resume, time budget, SIGTERM, Hub sync
   distributed  torchrun's RANK/LOCAL_RANK/WORLD_SIZE: one script for 1 or N processes

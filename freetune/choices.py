@@ -15,8 +15,8 @@ The precision policy, and why:
 from __future__ import annotations
 
 from freetune.errors import FreetuneError
-from freetune.fast import (EFFICIENT_BACKENDS, POLICY_BACKENDS, VARLEN_ATTENTION, VARLEN_KERNEL_NAMES, varlen_backend,
-                           varlen_works)
+from freetune.speed.attention import (EFFICIENT_BACKENDS, POLICY_BACKENDS, VARLEN_ATTENTION, VARLEN_KERNEL_NAMES,
+                                      varlen_backend, varlen_works)
 from freetune.hardware import Hardware
 from freetune.memory import TILE_TOKENS, ModelShape, embedding_bytes, estimate, shape_of
 
@@ -124,7 +124,7 @@ def graphs_why_not(shape: ModelShape | None) -> str:
 
 def mlp_why_not(shape: ModelShape | None) -> str:
     """Why freetune.fused_mlp cannot stand in for this model's MLP ('' where it can)."""
-    from freetune.fused_mlp import MLP_MODEL_TYPES
+    from freetune.speed.mlp import MLP_MODEL_TYPES
 
     if shape is None or shape.model_type in MLP_MODEL_TYPES:
         return ""

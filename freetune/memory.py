@@ -386,7 +386,7 @@ def mlp_chunk_bytes(shape: ModelShape, compute_dtype: str = "bfloat16", mlp_kern
     chunk-sized intermediate tensors (MLP_CHUNK_BUFFERS of CHUNK_TOKENS x intermediate) and the three dequantised
     weights; the traced function, TRACED_MLP_CHUNK_BUFFERS chunks (the activation and its gradient) and the down
     projection's dequantised weight (its per-token part is in activation_bytes_per_token). 0 for the per-projection MLP."""
-    from freetune.fused_mlp import CHUNK_TOKENS
+    from freetune.speed.mlp import CHUNK_TOKENS
 
     width = 2 if _is_16bit(compute_dtype) else 4
     if mlp_kernel == "chunked":

@@ -16,14 +16,15 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from freetune import bnb_cpu, params, templates
+from freetune import params, templates
 from freetune.distributed import context, print0
 from freetune.errors import FreetuneError, reason
-from freetune.fast import VARLEN_ATTENTION, register_attention
 from freetune.platform import require_hub
 from freetune.preflight import Plan
 from freetune.reach import peft_bnb as peft_bnb_reach
 from freetune.reach import transformers as transformers_reach
+from freetune.speed import bnb_cpu
+from freetune.speed.attention import VARLEN_ATTENTION, register_attention
 
 
 def _check_model_source(model_id: str) -> None:

@@ -32,9 +32,9 @@ from freetune.choices import (GRAPHS_LOSS_TILE_TOKENS, choose_attention, choose_
                               choose_optimizer, choose_policy, choose_precision, choose_sampler, choose_shape,
                               resolve_policy, varlen_attention_reason)
 from freetune.errors import FreetuneError
-from freetune.fast import VARLEN_ATTENTION
 from freetune.hardware import GPU, Hardware
 from freetune.memory import GIB, MemoryEstimate, ModelShape, estimate, fit
+from freetune.speed.attention import VARLEN_ATTENTION
 
 # What to pick instead of a GPU the installed PyTorch cannot run, where people meet one (Kaggle's P100).
 SUPPORTED_GPU_ADVICE = ('on Kaggle, Settings -> Accelerator -> "GPU T4 x2"; '

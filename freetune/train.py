@@ -23,21 +23,20 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from freetune import checkpoint, fast, fused_mlp, graphed_layers, host_embeddings, kernels, tracking
+from freetune import checkpoint, speed, tracking
 from freetune import params as param_rules  # not `params`: make_config takes a recipe's parameters under that name
-from freetune.batching import PAD_TO
 from freetune.choices import choose_optimizer
 from freetune.console import duration
 from freetune.distributed import COLLECTIVE_TIMEOUT_S, check_replicas_agree, context, print0
 from freetune.errors import FreetuneError
-from freetune.memory import keeps_8bit_absmax
 from freetune.model import adapter_dtype_guard
 from freetune.platform import Paths
 from freetune.preflight import Plan
 from freetune.reach import transformers as transformers_reach
-from freetune.reach import trl as trl_reach
 from freetune.reach.transformers import NonFiniteGuard
 from freetune.resources import folder_bytes
+from freetune.speed.batching import PAD_TO
+from freetune.speed.feature import off_line
 
 SUMMARY_FILE = "run_summary.json"
 HISTORY_FILE = "log_history.json"
@@ -129,8 +128,8 @@ def _sft_config(paths: Paths, plan: Plan, *, max_steps: int, learning_rate: floa
         disable_tqdm=True,
         seed=seed,
         data_seed=seed,
-        # Similar lengths in a padded batch: little padding where rows cannot be concatenated (freetune.batching).
-        # "rank_balanced" is freetune's own (freetune.sampler), put in by the trainer (FreetuneTrainer).
+        # Similar lengths in a padded batch: little padding where rows cannot be concatenated (freetune.speed.batching).
+        # "rank_balanced" is freetune's own (freetune.speed.sampler), put in by the trainer (FreetuneTrainer).
         train_sampling_strategy="group_by_length" if plan.sampler == "length_grouped" else "random",
         **_checkpointing_fields(plan, gradient_checkpointing),
         **_host_sync_fields(plan),
@@ -325,10 +324,8 @@ def train(model, tokenizer, train_dataset, config, *, plan: Plan, paths: Paths, 
     finally:
         if hub is not None:
             hub.close()
-        for undo in undo_speed_ups:
+        for undo in undo_speed_ups:  # the model may go on to generate and export: eager layers, as loaded
             undo()
-        kernels.uncompile_layers(trainer.model)  # the model may go on to generate: eager layers for that
-        host_embeddings.to_gpu(trainer.model)  # and to export: the model as loaded
     wall = time.time() - start
     _check_trained(trainer, guard, config, paths)
     summary = _summary(trainer, result, wall, stopper.reason, resume_from, paths)
@@ -367,55 +364,19 @@ def _rows_to_train(train_dataset, eval_dataset, config):
 
 
 def _speed_up(trainer, plan: Plan) -> list:
-    """What the plan chose beyond the Trainer's settings: the fused LoRA kernel (its LoRA weights cast once per
-    forward in one process), the loss head's tiles, the attention kernel (probed now), the input embeddings in host
-    RAM, compiled decoder layers, the garbage collector kept off what the warm-up leaves. Returns what to undo after
+    """What the plan chose beyond the Trainer's settings, feature by feature (freetune.speed.FEATURES, in order): each
+    installs itself where it applies to this plan and model, or steps aside and says why. Returns what to undo after
     training."""
-    import torch
-
     undo = []
-    once = None
-    if plan.sampler == "rank_balanced" and trainer.args.world_size > 1:
-        print0(f"Sampler: each optimizer step's rows are dealt to the {trainer.args.world_size} ranks by length, "
-               f"equal tokens per rank (freetune.sampler.RankBalancedSampler).")
-    if plan.lora_kernel == "fused":
-        fused, seen = kernels.use_fused_lora(
-            trainer.model, keep_8bit_absmax=keeps_8bit_absmax(plan.lora_kernel, plan.compile, plan.mlp_kernel))
-        once = trainer.args.world_size == 1 and kernels.cast_adapters_once_per_forward(
-            trainer.model, same_buffers=bool(plan.cuda_graph_tokens))  # graphs read them at fixed addresses
-        if once:
-            undo.append(once)
-        print0(f"LoRA kernel: fused on {fused} of {seen} LoRA layers (freetune.kernels)"
-               + ("; their weights cast to 16 bits once per forward, all together." if once else "."))
-    if plan.cuda_graph_tokens:
-        reason = graphed_layers.why_not(trainer.model, plan, trainer.args.world_size, cast_once=bool(once))
-        if reason:
-            print0(f"CUDA graphs: off ({reason}).")
-        else:
-            graphed_layers.pad_batches(trainer, plan)
-            graphs = graphed_layers.callback(plan)
-            trainer.add_callback(graphs)
-            undo.append(graphs.remove)
-    if plan.mlp_kernel in ("chunked", "traced"):
-        fused, seen = fused_mlp.use_fused_mlp(trainer.model, kernel=plan.mlp_kernel)
-        how = (f"in chunks of {fused_mlp.CHUNK_TOKENS} tokens" if plan.mlp_kernel == "chunked"
-               else "as one node each, gate and up recomputed in the backward")
-        print0(f"MLP kernel: {fused} of {seen} MLPs {how} (freetune.fused_mlp).")
-    trl_reach.set_loss_tile_tokens(plan.loss_tile_tokens)
-    trl_reach.keep_cuda_cache_between_steps(trainer)
-    from freetune.trainer import GarbageFrozenAfterWarmup
-
-    frozen = GarbageFrozenAfterWarmup()
-    trainer.add_callback(frozen)
-    undo.append(frozen.unfreeze)
-    if torch.cuda.is_available() and plan.batching == "padding_free":
-        # Probed now, eagerly, in this process (a torchrun rank too): the attention layers only read the result.
-        fast.varlen_works(torch.cuda.current_device(), plan.policy)
-    if plan.embeddings_on_host:
-        trainer.add_callback(host_embeddings.at_train_begin())
-    if plan.compile:
-        compiled = kernels.compile_layers(trainer.model)
-        print0(f"torch.compile: {compiled} decoder layers; the first steps are slower while they compile.")
+    for feature in speed.features():
+        applies, why = feature.applies(plan, trainer)
+        if not applies:
+            if line := off_line(feature, why):
+                print0(line)
+            continue
+        undone = feature.install(trainer, plan)
+        if undone is not None:
+            undo.append(undone)
     return undo
 
 

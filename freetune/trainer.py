@@ -10,7 +10,7 @@ library. What changes:
   the GPU and are read once per log step (compute_loss, log);
 - padding-free batches: the collator switched at construction (freetune.reach.trl.apply_batching), the alignment
   padding's count taken out of each batch before the model sees it (_prepare_inputs);
-- the rank-balanced sampler under torchrun (_get_train_sampler, freetune.sampler);
+- the rank-balanced sampler under torchrun (_get_train_sampler, freetune.speed.sampler);
 - complete-or-ignored checkpoints: every rank's share written, then the marker, then the rotation, and no save of
   NaN weights (_save_checkpoint, _save_rng_state; freetune.checkpoint);
 - resume: the token count, a finished run's rerun, the adapter's dtype, DDP on CPUs (_init_training_state,
@@ -33,7 +33,6 @@ import torch
 from transformers import TrainerCallback
 from trl import SFTTrainer
 
-from freetune.batching import PAD_KEY
 from freetune.checkpoint import identity, marker
 from freetune.checkpoint.hub import TOKENIZER_DIR  # beside the checkpoint-N folders: the run's tokenizer, once
 from freetune.distributed import barrier
@@ -41,7 +40,8 @@ from freetune.reach import peft_bnb as peft_bnb_reach
 from freetune.reach import trl as trl_reach
 from freetune.reach.torch import set_last_lrs
 from freetune.reach.versions import check_overridden, written_against
-from freetune.sampler import rank_balanced_sampler
+from freetune.speed.batching import PAD_KEY
+from freetune.speed.sampler import rank_balanced_sampler
 
 
 class FreetuneTrainer(SFTTrainer):

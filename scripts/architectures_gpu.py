@@ -21,7 +21,8 @@ the loss scaled (x1024, unscaled in the gradients) as the GradScaler does, fp16 
 cuDNN attention off (sdpa's memory-efficient and math kernels; the varlen kernel on the T4 policy is the
 memory-efficient one, sm50+). What stays the H200's: its compute, bandwidth, and sm90 builds of the kernels.
 
-Usage (GPU machine, freetune's wheels installed): python3 scripts/architectures_gpu.py --out reports/gpu/architectures.json
+Usage (GPU machine, freetune's wheels installed):
+    python3 scripts/architectures_gpu.py --out reports/gpu/architectures.json
 (~1 min per architecture, most of it compiling; --no-compile skips compile, --only llama,qwen2 a subset)
 """
 
@@ -83,7 +84,7 @@ def packed_batch(token_rows, multiple: int):
     """A padding-free batch as TRL's collator and freetune's AlignedPaddingFree make it (padded to `multiple`)."""
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-    from freetune import batching
+    from freetune.speed import batching
 
     collator = batching.AlignedPaddingFree(DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True),
                                            multiple=multiple, max_row=MAX_LENGTH)
@@ -105,9 +106,9 @@ def plans(model_dir: Path, multiple: int):
     {feature: "" or why it steps aside})."""
     import freetune
     from freetune import choices
-    from freetune.fast import VARLEN_ATTENTION
     from freetune.memory import ModelShape
     from freetune.preflight import make_plan, read_hardware
+    from freetune.speed.attention import VARLEN_ATTENTION
 
     shape = ModelShape.named(str(model_dir))
     plan = make_plan(read_hardware("/tmp", "/tmp"), model_shape=shape, max_length=MAX_LENGTH, micro_batch=ROWS,
@@ -153,28 +154,29 @@ class FastPath:
     def __init__(self, model, plan, compile_layers: bool):
         import torch
 
-        from freetune import fast, fused_mlp, graphed_layers, kernels, overrides
-        from freetune.batching import most_rows
+        from freetune import overrides
         from freetune.memory import keeps_8bit_absmax
+        from freetune.speed import attention, compiled_layers, cuda_graphs, lora_kernel, mlp
+        from freetune.speed.batching import most_rows
 
         self.model, self.graphed, self.stream, self.applied = model, None, None, {}
         compiled = plan.compile and compile_layers
-        fused, seen = kernels.use_fused_lora(model, keep_8bit_absmax=keeps_8bit_absmax("fused", compiled,
+        fused, seen = lora_kernel.use_fused_lora(model, keep_8bit_absmax=keeps_8bit_absmax("fused", compiled,
                                                                                         plan.mlp_kernel))
         self.applied["fused LoRA"] = f"{fused} of {seen}"
-        self.undo_cast = kernels.cast_adapters_once_per_forward(model, same_buffers=bool(plan.cuda_graph_tokens))
+        self.undo_cast = lora_kernel.cast_adapters_once_per_forward(model, same_buffers=bool(plan.cuda_graph_tokens))
         self.applied["cast once"] = bool(self.undo_cast)
         if plan.mlp_kernel == "traced":
-            fused, seen = fused_mlp.use_fused_mlp(model, kernel="traced")
+            fused, seen = mlp.use_fused_mlp(model, kernel="traced")
             self.applied["fused MLP"] = f"{fused} of {seen}"
         if plan.batching == "padding_free":
-            ok, why = fast.varlen_works(torch.cuda.current_device(), "turing")
-            self.applied["varlen"] = fast.varlen_backend() if ok else f"probe failed: {why}"
+            ok, why = attention.varlen_works(torch.cuda.current_device(), "turing")
+            self.applied["varlen"] = attention.varlen_backend() if ok else f"probe failed: {why}"
         if compiled:
-            self.applied["compile"] = f"{kernels.compile_layers(model)} layers"
+            self.applied["compile"] = f"{compiled_layers.compile_layers(model)} layers"
         if plan.cuda_graph_tokens:
             multiple = plan.cuda_graph_tokens
-            self.graphed = graphed_layers.GraphedLayers(
+            self.graphed = cuda_graphs.GraphedLayers(
                 model, max_tokens=-(-ROWS * MAX_LENGTH // multiple) * multiple, max_row=MAX_LENGTH,
                 max_rows=most_rows(ROWS, multiple, MAX_LENGTH), fixed_pairs=True)
             self.stream = torch.cuda.Stream()

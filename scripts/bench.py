@@ -129,7 +129,8 @@ def shape_named(name: str) -> ModelShape:
     not the tiny shape (which made the Qwen3-8B runs' MFU read 0.0%)."""
     found = [s for s in (TINY_SHAPE, *KNOWN_SHAPES.values()) if s.name == name]
     if not found:
-        raise KeyError(f"no shape named {name!r} in bench's shapes ({', '.join(s.name for s in KNOWN_SHAPES.values())})")
+        raise KeyError(f"no shape named {name!r} in bench's shapes "
+                       f"({', '.join(s.name for s in KNOWN_SHAPES.values())})")
     return found[0]
 
 
@@ -789,39 +790,39 @@ def apply_experiments(experiments: dict, shape: ModelShape, local_rank: int) -> 
 
         transformers.masking_utils.find_packed_sequence_indices = packed_rows
     if experiments.get("byte_masks"):  # the fused LoRA layers' dropout masks saved a byte per element, not packed bits
-        import freetune.kernels
+        import freetune.speed.lora_kernel
 
-        freetune.kernels.pack_mask = lambda kept: kept  # the backward unpacks only uint8 masks
+        freetune.speed.lora_kernel.pack_mask = lambda kept: kept  # the backward unpacks only uint8 masks
     if experiments.get("fp32_absmax"):  # the fused layers' fp32 absmax copy even where compiled layers decode 8-bit
-        import freetune.train
+        import freetune.memory  # read by freetune.speed.lora_kernel's FEATURE when it installs
 
-        freetune.train.keeps_8bit_absmax = lambda *args: False
+        freetune.memory.keeps_8bit_absmax = lambda *args: False
     # The two launch savings of the eighth session, undone to measure them in the same call:
     if experiments.get("per_layer_casts"):  # each fused layer casts its own LoRA weights (no once-per-forward cast)
-        import freetune.kernels
+        import freetune.speed.lora_kernel
 
-        freetune.kernels.cast_adapters_once_per_forward = lambda model: None
+        freetune.speed.lora_kernel.cast_adapters_once_per_forward = lambda model: None
     if experiments.get("copied_heads"):  # the memory-efficient attention's heads copied into parts, as before
-        import freetune.fast
+        import freetune.speed.attention
 
-        freetune.fast.POLICY_BACKENDS["turing"] = ("efficient_copied",)
+        freetune.speed.attention.POLICY_BACKENDS["turing"] = ("efficient_copied",)
     # The two host savings of the ninth session, undone likewise:
     if experiments.get("trl_empty_cache"):  # TRL's offloading context empties the CUDA cache every micro-batch again
         import freetune.reach.trl
 
         freetune.reach.trl.keep_cuda_cache_between_steps = lambda trainer: False
     if experiments.get("no_triton"):  # the custom ops' eager dequantisation and MLP helpers without Triton kernels
-        import freetune.kernels
+        import freetune.speed.nf4
 
-        freetune.kernels.triton_for = lambda t: None
+        freetune.speed.nf4.triton_for = lambda t: None
     # The backward's input gradients d W written into the compiled graphs, not through freetune::dequantized_mm
     # (fewer op calls; inductor places the dequantisation, which the op exists to prevent: watch the peak; the
     # tenth session's result is in docs/performance.md)
     if experiments.get("inline_dgrad"):
-        import freetune.kernels
+        import freetune.speed.nf4
 
-        dequantize = freetune.kernels._dequantize
-        freetune.kernels.times_dequantized = (
+        dequantize = freetune.speed.nf4._dequantize
+        freetune.speed.nf4.times_dequantized = (
             lambda d, packed, absmax, spec, table=None: d @ dequantize(packed, absmax, spec, table))
     # Two more host costs of every compiled layer call (tenth session):
     if experiments.get("skip_guards"):
@@ -858,8 +859,8 @@ def apply_experiments(experiments: dict, shape: ModelShape, local_rank: int) -> 
 def apply_ddp_experiments(experiments: dict, config) -> list:
     """The DDP settings a --variants run asks for, on `config` (and the Trainer); returns callbacks to add.
 
-    ddp_split=true:   dynamo's DDPOptimizer back on (freetune.kernels.compile_layers turns it off): each compiled
-                      layer cut where a gradient bucket fills;
+    ddp_split=true:   dynamo's DDPOptimizer back on (freetune.speed.compiled_layers.compile_layers turns it off):
+                      each compiled layer cut where a gradient bucket fills;
     static_graph=true: DDP(static_graph=True), the reducer's per-step bookkeeping done once;
     bucket_view=true:  DDP(gradient_as_bucket_view=True), the gradients kept in the buckets (no copy in and out);
     bucket_mb=N:       DDP(bucket_cap_mb=N);
@@ -988,12 +989,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "experiments liger=true (Liger's RMSNorm/SwiGLU/RoPE, liger-kernel installed), "
                              "cpp_wrapper=true (inductor's C++ wrapper), combo_kernels=true (inductor's horizontal "
                              "fusion), byte_masks=true (dropout masks a byte per "
-                             "element, as before freetune.kernels.pack_mask; with mlp_kernel=layers only), "
+                             "element, as before freetune.speed.lora_kernel.pack_mask; with mlp_kernel=layers only), "
                              "fp32_absmax=true (the fused layers' fp32 absmax copy where compiled ones keep 8-bit), "
                              "per_layer_casts=true (each layer casts its own LoRA weights), copied_heads=true (the "
                              "T4 attention's heads copied into parts), trl_empty_cache=true (TRL's offloading "
                              "empties the CUDA cache every micro-batch), no_triton=true (the custom ops' element-wise "
-                             "work without freetune.triton_kernels), inline_dgrad=true (the backward's input "
+                             "work without freetune.speed.triton_kernels), inline_dgrad=true (the backward's input "
                              "gradients inside the compiled graphs, not through freetune::dequantized_mm), "
                              "skip_guards=true (after two steps dynamo checks only the guards that tell the layers' "
                              "graphs apart), no_asserts=true (no size/stride checks in the compiled graphs' "

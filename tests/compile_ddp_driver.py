@@ -3,7 +3,7 @@
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/compile_ddp_driver.py MODEL OUT_DIR
 
 A 4-bit model with LoRA adapters big enough that one layer's gradients overflow DDP's first 1 MB bucket, its LoRA
-layers fused and its decoder layers compiled by freetune.kernels.compile_layers (aot_eager: dynamo and the
+layers fused and its decoder layers compiled by freetune.speed.compiled_layers.compile_layers (aot_eager: dynamo and the
 autograd graph as inductor gets them, no C compiler), wrapped in torch's DDP (gloo), runs one forward and
 backward. Then again with dynamo's DDPOptimizer switched back on (what compile_layers turns off). Each rank writes
 OUT_DIR/rank<R>.json: per pass, the number of graphs the backend was handed, the ops in each, and a checksum of
@@ -26,14 +26,14 @@ def main() -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     import freetune
-    from freetune import kernels
     from freetune.preflight import make_plan
+    from freetune.speed import compiled_layers, lora_kernel
 
     ctx = freetune.distributed.init(timeout_s=60)
     plan = make_plan(micro_batch=1, grad_accum=1)
     model = freetune.model.load_base_model(model_dir, plan, local_rank=ctx.local_rank)
     model, _, _ = freetune.model.attach_lora(model, rank=LORA_RANK, alpha=LORA_RANK, dropout=0.0, seed=0)
-    kernels.use_fused_lora(model)
+    lora_kernel.use_fused_lora(model)
     layer_bytes = sum(p.numel() * p.element_size() for p in model.get_base_model().model.layers[0].parameters()
                       if p.requires_grad)
 
@@ -49,8 +49,8 @@ def main() -> None:
     for name, split in (("freetune", False), ("ddp_optimizer", True)):
         torch._dynamo.reset()
         graphs.clear()
-        kernels.uncompile_layers(model)
-        kernels.compile_layers(model, backend=counting_backend)
+        compiled_layers.uncompile_layers(model)
+        compiled_layers.compile_layers(model, backend=counting_backend)
         if split:
             torch._dynamo.config.optimize_ddp = True  # dynamo's default, which compile_layers turns off
         ddp.zero_grad(set_to_none=True)

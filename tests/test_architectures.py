@@ -10,10 +10,11 @@ each compiled layer costs ~a minute: tests/test_fused_mlp.py compiles Llama-like
 import pytest
 import torch
 
-from freetune import batching, choices, fast, graphed_layers, kernels
+from freetune import choices
 from freetune.fixtures import cached_tiny_model
 from freetune.memory import ModelShape
 from freetune.preflight import Hardware
+from freetune.speed import attention, batching, cuda_graphs, lora_kernel
 from test_graphed_layers import packed_batch, step
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "qwen3_moe")
@@ -47,14 +48,14 @@ def plan_for(shape):
     for this shape (freetune.choices)."""
     own = choices.choose_attention(Hardware(), "turing", shape)[0]
     varlen = not choices.varlen_why_not(shape, MAX_ROW)
-    return own, (fast.register_attention() if varlen else own), not choices.graphs_why_not(shape)
+    return own, (attention.register_attention() if varlen else own), not choices.graphs_why_not(shape)
 
 
 def freetune_path(model_dir, attention: str, graphs: bool):
     model = lora_model(model_dir, attention)
-    kernels.use_fused_lora(model)
-    assert kernels.cast_adapters_once_per_forward(model, same_buffers=True) is not None
-    graphed = graphed_layers.GraphedLayers(model, max_tokens=PAD_TO, max_row=MAX_ROW,
+    lora_kernel.use_fused_lora(model)
+    assert lora_kernel.cast_adapters_once_per_forward(model, same_buffers=True) is not None
+    graphed = cuda_graphs.GraphedLayers(model, max_tokens=PAD_TO, max_row=MAX_ROW,
                                            max_rows=batching.most_rows(len(ROWS), PAD_TO, MAX_ROW), graphs=False,
                                            fixed_pairs=True)
     if graphs:
@@ -120,16 +121,16 @@ def test_the_graphs_refuse_layers_whose_masks_or_rotary_embeddings_differ(archit
     from types import SimpleNamespace
 
     plan = SimpleNamespace(device="cuda", batching="padding_free", gradient_checkpointing=True, checkpoint_every=1)
-    assert "different masks or rotary embeddings" in graphed_layers.why_not(model, plan, 1, cast_once=True)
+    assert "different masks or rotary embeddings" in cuda_graphs.why_not(model, plan, 1, cast_once=True)
 
 
 def test_the_graphs_step_aside_for_experts_whose_lora_weights_they_would_not_train():
     from types import SimpleNamespace
 
     model, _ = freetune_path(cached_tiny_model("qwen3_moe"), "sdpa", graphs=False)
-    assert graphed_layers.unfused_trainable(model)  # the experts' LoRA weights (peft's ParamWrapper)
+    assert cuda_graphs.unfused_trainable(model)  # the experts' LoRA weights (peft's ParamWrapper)
     plan = SimpleNamespace(device="cuda", batching="padding_free", gradient_checkpointing=True, checkpoint_every=1)
-    reason = graphed_layers.why_not(model, plan, 1, cast_once=True)
+    reason = cuda_graphs.why_not(model, plan, 1, cast_once=True)
     assert "mixture of experts" in reason and "trainable weights outside the fused LoRA layers" in reason
 
 
@@ -137,12 +138,13 @@ def test_varlen_attention_refuses_a_window_or_a_cap_it_would_drop():
     from freetune.errors import FreetuneError
 
     module = torch.nn.Module()
-    fast.refuse_what_varlen_drops(module, 64, {"sliding_window": 64})  # a window as long as the rows: nothing slides
-    fast.refuse_what_varlen_drops(module, 64, {})
+    # a window as long as the rows: nothing slides
+    attention.refuse_what_varlen_drops(module, 64, {"sliding_window": 64})
+    attention.refuse_what_varlen_drops(module, 64, {})
     with pytest.raises(FreetuneError, match="a sliding window of 16 tokens"):
-        fast.refuse_what_varlen_drops(module, 64, {"sliding_window": 16})
+        attention.refuse_what_varlen_drops(module, 64, {"sliding_window": 16})
     with pytest.raises(FreetuneError, match=r"soft-capped logits \(50.0\)"):
-        fast.refuse_what_varlen_drops(module, 64, {"softcap": 50.0})
+        attention.refuse_what_varlen_drops(module, 64, {"softcap": 50.0})
 
 
 def test_lora_dropout_on_a_mixtures_experts_is_refused_with_a_value_the_parameters_cell_takes():

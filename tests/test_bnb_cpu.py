@@ -1,4 +1,4 @@
-"""freetune.bnb_cpu: 4-bit weights dequantise to the weights they quantised, on every x86-64 CPU.
+"""freetune.speed.bnb_cpu: 4-bit weights dequantise to the weights they quantised, on every x86-64 CPU.
 
 bitsandbytes 0.50.2's native CPU dequantisation is wrong on AVX-512 CPUs for layers whose input size is not a
 multiple of the 64-weight block (and right on AVX2 builds). These tests hold on both kinds: where the native
@@ -9,7 +9,7 @@ model freetune loads on the CPU trains on weights within NF4's rounding of the o
 import pytest
 import torch
 
-from freetune import bnb_cpu
+from freetune.speed import bnb_cpu
 
 
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
@@ -113,8 +113,8 @@ def test_a_replacement_that_fails_is_checked_again_not_trusted(tmp_path):
 
     script = """
 import torch
-from freetune import bnb_cpu
 from freetune.errors import FreetuneError
+from freetune.speed import bnb_cpu
 
 bnb_cpu.ensure_correct_dequantize()
 zeros = lambda A, absmax, blocksize, quant_type, shape, dtype: torch.zeros(shape, dtype=dtype)

@@ -1,4 +1,4 @@
-"""The fast default path (freetune.fast) trains the same model as the plain TRL stack, with no padding.
+"""The fast default path (freetune.speed.attention) trains the same model as the plain TRL stack, with no padding.
 
 Same tiny Qwen2 model, same rows, same seed, same rows per optimizer step in the same order:
 - plain: TRL's SFTTrainer as it comes (padded batches, its own compute_loss with per-step metric syncs);
@@ -42,10 +42,10 @@ def test_padding_free_path_matches_the_plain_loss_and_computes_no_padding(tiny_m
     from trl import SFTTrainer
 
     import freetune
-    from freetune import batching
-    from freetune.reach import trl as trl_reach
     from freetune.model import adapter_dtype_guard
     from freetune.preflight import Plan
+    from freetune.reach import trl as trl_reach
+    from freetune.speed import batching
 
     steps, micro, accum = 4, 4, 2
 
@@ -117,9 +117,9 @@ def test_padding_free_path_matches_the_plain_loss_and_computes_no_padding(tiny_m
 
 
 def test_the_plan_chooses_the_fast_path_and_says_why(monkeypatch):
-    from freetune import fast
     from freetune.memory import KNOWN_SHAPES
     from freetune.preflight import GPU, Hardware, make_plan
+    from freetune.speed import attention
 
     def machine(name, capability, memory_gib, bf16):
         return Hardware(gpus=[GPU(name, capability, memory_gib)], arch_list=["sm_75", "sm_80", "sm_90"],
@@ -136,15 +136,15 @@ def test_the_plan_chooses_the_fast_path_and_says_why(monkeypatch):
         probed.append(backends)
         return answer
 
-    monkeypatch.setattr(fast, "_probe", probe)
-    monkeypatch.setattr(fast, "_PROBED", {})
+    monkeypatch.setattr(attention, "_probe", probe)
+    monkeypatch.setattr(attention, "_PROBED", {})
     answer = ("efficient", "efficient: checked against sdpa, forward and backward")
     t4 = make_plan(machine("Tesla T4", (7, 5), 14.7, False), model_shape=shape, micro_batch=None, grad_accum=8)
     assert probed == [("efficient", "efficient_copied")]
     assert t4.micro_batch > 1 and t4.gradient_checkpointing and t4.batching == "padding_free"
     assert "would need" in t4.reasons["gradient_checkpointing"] and "T4 (sm75) runs too" in t4.reasons["batching"]
-    assert t4.frozen_dtype == "float16" and t4.attn_implementation == fast.VARLEN_ATTENTION
-    monkeypatch.setattr(fast, "_PROBED", {})
+    assert t4.frozen_dtype == "float16" and t4.attn_implementation == attention.VARLEN_ATTENTION
+    monkeypatch.setattr(attention, "_PROBED", {})
     answer = ("", "efficient: disagrees with sdpa (output relative error 0.300)")
     t4 = make_plan(machine("Tesla T4", (7, 5), 14.7, False), model_shape=shape, micro_batch=None, grad_accum=8)
     assert t4.batching == "grouped" and "disagrees with sdpa" in t4.reasons["batching"]
@@ -173,9 +173,9 @@ def test_freetune_attention_keeps_packed_rows_apart_like_separate_rows(tiny_mode
     import torch
     from transformers import AutoModelForCausalLM
 
-    from freetune import fast
+    from freetune.speed import attention
 
-    name = fast.register_attention()
+    name = attention.register_attention()
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), attn_implementation=name,
                                                  dtype=torch.float32).eval()
     rows = [torch.arange(5, 5 + n) * 37 % 5000 for n in (7, 12, 4)]
@@ -196,20 +196,20 @@ def test_the_dense_mask_is_left_out_only_where_the_varlen_kernel_reads_the_rows(
     import torch
     import transformers.masking_utils as masking
 
-    from freetune import fast
+    from freetune.speed import attention
 
     asked = []
     monkeypatch.setattr(masking, "sdpa_mask", lambda *a, **k: asked.append((a, k)) or "sdpa's mask")
-    monkeypatch.setattr(fast, "_CHOSEN", {0: ("efficient", "chosen by the test")})
-    assert fast.varlen_mask(1, 64, 64, device="cuda:0") is None and not asked
-    assert fast.varlen_mask(1, 64, 64, device=torch.device("cuda")) is None and not asked
+    monkeypatch.setattr(attention, "_CHOSEN", {0: ("efficient", "chosen by the test")})
+    assert attention.varlen_mask(1, 64, 64, device="cuda:0") is None and not asked
+    assert attention.varlen_mask(1, 64, 64, device=torch.device("cuda")) is None and not asked
     padded = torch.ones(2, 64, dtype=torch.bool)
     for call in (dict(batch_size=2, attention_mask=padded), dict(kv_offset=8), dict(device="cpu"),
                  dict(device="cuda:1")):  # no kernel chosen for GPU 1
         args = {**dict(batch_size=1, q_length=64, kv_length=64, device="cuda:0"), **call}
-        assert fast.varlen_mask(**args) == "sdpa's mask"
+        assert attention.varlen_mask(**args) == "sdpa's mask"
     with torch.no_grad():
-        assert fast.varlen_mask(1, 64, 64, device="cuda:0") == "sdpa's mask"
+        assert attention.varlen_mask(1, 64, 64, device="cuda:0") == "sdpa's mask"
     assert len(asked) == 5 and asked[0][1]["attention_mask"] is padded
 
 
@@ -220,9 +220,9 @@ def test_where_the_mask_was_left_out_a_fallback_to_sdpa_still_keeps_the_rows_apa
     from transformers import AutoModelForCausalLM
     from transformers.masking_utils import AttentionMaskInterface
 
-    from freetune import fast
+    from freetune.speed import attention
 
-    name = fast.register_attention()
+    name = attention.register_attention()
     monkeypatch.setitem(AttentionMaskInterface._global_mapping, name, lambda *a, **k: None)
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), attn_implementation=name,
                                                  dtype=torch.float32).eval()
@@ -240,7 +240,7 @@ def test_the_attention_layers_only_read_the_probed_backend_inside_compiled_code(
     every attention call of every step on the GPU."""
     import torch
 
-    from freetune import fast
+    from freetune.speed import attention
 
     probes = []
 
@@ -248,14 +248,14 @@ def test_the_attention_layers_only_read_the_probed_backend_inside_compiled_code(
         probes.append(device_index)
         return "", "probed by the test"
 
-    monkeypatch.setattr(fast, "_probe", counting_probe)
-    monkeypatch.setattr(fast, "_CHOSEN", {})
-    monkeypatch.setattr(fast, "_PROBED", {})
-    assert fast.varlen_works(0) == (False, "probed by the test")  # eagerly, as the plan and train() do
+    monkeypatch.setattr(attention, "_probe", counting_probe)
+    monkeypatch.setattr(attention, "_CHOSEN", {})
+    monkeypatch.setattr(attention, "_PROBED", {})
+    assert attention.varlen_works(0) == (False, "probed by the test")  # eagerly, as the plan and train() do
 
     @torch.compile(backend="eager", fullgraph=True)  # fullgraph: a graph break would raise
     def layer(x):
-        return x * 2 if fast.varlen_backend(0) else x + 1
+        return x * 2 if attention.varlen_backend(0) else x + 1
 
     for n in (3, 5, 7):
         assert torch.equal(layer(torch.ones(n)), torch.full((n,), 2.0))
@@ -272,18 +272,19 @@ def test_a_4bit_models_fp32_queries_run_the_16bit_kernel_under_mixed_precision(t
     import transformers.integrations.sdpa_attention as sdpa
 
     import freetune
-    from freetune import fast
     from freetune.preflight import Plan
+    from freetune.speed import attention
 
     plan = Plan(device="cpu", compute_dtype="bfloat16", mixed_precision="bf16",
-                attn_implementation=fast.VARLEN_ATTENTION, micro_batch=1, grad_accum=1, gradient_checkpointing=False)
+                attn_implementation=attention.VARLEN_ATTENTION, micro_batch=1, grad_accum=1,
+                gradient_checkpointing=False)
     model = freetune.model.load_base_model(str(tiny_model_dir), plan)
     model, _, _ = freetune.model.attach_lora(model, rank=8, alpha=16, dropout=0.0, seed=0)
     seen = []
     real_sdpa = sdpa.sdpa_attention_forward
 
     def spy(module, query, *args, **kwargs):
-        seen.append((query.dtype, fast.kernel_dtype(query)))
+        seen.append((query.dtype, attention.kernel_dtype(query)))
         return real_sdpa(module, query, *args, **kwargs)
 
     monkeypatch.setattr(sdpa, "sdpa_attention_forward", spy)
@@ -297,7 +298,7 @@ def test_a_4bit_models_fp32_queries_run_the_16bit_kernel_under_mixed_precision(t
 
     @torch.compile(backend="eager", fullgraph=True)  # as in a compiled decoder layer: no graph break
     def cast(q):
-        dtype = fast.kernel_dtype(q)
+        dtype = attention.kernel_dtype(q)
         return q if dtype is None else q.to(dtype)
 
     with torch.autocast("cpu", dtype=torch.float16):
@@ -330,13 +331,13 @@ def _padding_free_vs_alone(model_dir, device: str, backend: str):
     import torch
 
     import freetune
-    from freetune import fast
     from freetune.preflight import Plan
+    from freetune.speed import attention
 
     cuda = device == "cuda"
     dtype = {"flash": "bfloat16", "efficient": "float16", "efficient_copied": "float16"}.get(backend, "float32")
     plan = Plan(device=device, compute_dtype=dtype, mixed_precision={"bfloat16": "bf16", "float16": "fp16"}.get(
-        dtype, "no"), attn_implementation=fast.VARLEN_ATTENTION, micro_batch=3, grad_accum=1,
+        dtype, "no"), attn_implementation=attention.VARLEN_ATTENTION, micro_batch=3, grad_accum=1,
         gradient_checkpointing=False, frozen_dtype=dtype if cuda else "float32")
     model = freetune.model.load_base_model(str(model_dir), plan)
     model, _, _ = freetune.model.attach_lora(model, rank=8, alpha=16, dropout=0.0, seed=0)
@@ -344,7 +345,7 @@ def _padding_free_vs_alone(model_dir, device: str, backend: str):
         if "lora_B" in name:  # non-zero B, as after some training: the adapter then shapes the logits
             torch.nn.init.normal_(param, std=0.05)
     if cuda:
-        fast._CHOSEN[torch.cuda.current_device()] = (backend, "forced by the test")
+        attention._CHOSEN[torch.cuda.current_device()] = (backend, "forced by the test")
     rows = [(torch.arange(5, 5 + n, device=device) * 37) % 5000 for n in (7, 12, 4)]
     gen = torch.Generator(device=device).manual_seed(0)
     weights = [torch.randn(len(r), model.config.vocab_size, device=device, generator=gen) for r in rows]
@@ -383,3 +384,24 @@ def test_each_row_of_a_padding_free_batch_gets_its_own_logits_and_gradients(tiny
     torch.testing.assert_close(packed, alone, rtol=tol, atol=tol)
     for got, want in zip(packed_grads, alone_grads):
         assert (got - want).norm() <= tol * max(want.norm(), 1e-3), ((got - want).norm(), want.norm())
+
+
+@pytest.mark.parametrize("strided", [True, False])
+def test_the_memory_efficient_ops_forward_backward_and_autograd_run_through_on_meta_tensors(strided):
+    """freetune.speed.attention_efficient's custom ops, their grouped-query parts and their autograd, run end to end
+    on meta tensors (the aten kernels' shape functions: no GPU needed): every output and gradient has its input's
+    shape, the logsumexp one per q head and row. The numbers are the GPU tests' (the kernel needs a GPU)."""
+    import torch
+
+    from freetune.speed.attention_efficient import efficient_op
+
+    op = efficient_op()
+    q = torch.empty(16, 8, 64, device="meta", dtype=torch.float16, requires_grad=True)
+    k, v = (torch.empty(16, 2, 64, device="meta", dtype=torch.float16, requires_grad=True) for _ in range(2))
+    cu = torch.tensor([0, 8, 16], dtype=torch.int32, device="meta")
+    out, lse = torch.ops.freetune.varlen_efficient(q, k, v, cu, 8, None, strided)
+    assert out.shape == q.shape and lse.shape[1] == q.shape[1]
+    grads = torch.ops.freetune.varlen_efficient_backward(out, q, k, v, out, lse, cu, 8, None, strided)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    op(q, k, v, cu, 8, None, strided).sum().backward()
+    assert (q.grad.shape, k.grad.shape, v.grad.shape) == (q.shape, k.shape, v.shape)

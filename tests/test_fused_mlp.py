@@ -1,4 +1,4 @@
-"""freetune.fused_mlp: the SwiGLU MLP over three fused 4-bit LoRA layers as one op in token chunks computes what peft's
+"""freetune.speed.mlp: the SwiGLU MLP over three fused 4-bit LoRA layers as one op in token chunks computes what peft's
 three layers compute, keeps no (tokens x intermediate) tensor for its backward, and compiles into the decoder layer.
 
 Real bitsandbytes NF4 weights and peft adapters on a CPU (the same code a GPU runs, CPU kernels underneath)."""
@@ -6,15 +6,16 @@ Real bitsandbytes NF4 weights and peft adapters on a CPU (the same code a GPU ru
 import pytest
 import torch
 
-from freetune import fused_mlp, kernels
 from freetune.memory import ModelShape, estimate, keeps_8bit_absmax
 from freetune.preflight import Hardware
+from freetune.speed import compiled_layers, lora_kernel, mlp_ops
+from freetune.speed import mlp as fused_mlp  # not `mlp`: the tests name a model's MLP module that
 from test_kernels import gpu, loss_and_grads, quantized_lora_model
 
 
 def fused_model(model_dir, dtype, chunk, dropout=0.0, kernel="chunked"):
     model = quantized_lora_model(model_dir, dtype, dropout=dropout)
-    kernels.use_fused_lora(model)
+    lora_kernel.use_fused_lora(model)
     fused, seen = fused_mlp.use_fused_mlp(model, chunk=chunk, kernel=kernel)
     assert fused == seen == len(model.get_base_model().model.layers)
     assert fused_mlp.use_fused_mlp(model, chunk=chunk, kernel=kernel) == (fused, seen)  # idempotent
@@ -44,7 +45,7 @@ def test_dropout_drops_the_same_inputs_in_the_forward_and_the_backward(tiny_mode
     differentiates plain tensor code with autograd."""
     import bitsandbytes.functional as bnbf
 
-    monkeypatch.setattr(fused_mlp, "CHUNK_TOKENS", 5)  # the traced function's backward chunks (the op's: `chunk`)
+    monkeypatch.setattr(mlp_ops, "CHUNK_TOKENS", 5)  # the traced function's backward chunks (the op's: `chunk`)
     p = 0.3
     model = fused_model(tiny_model_dir, torch.float32, chunk=chunk, dropout=p, kernel=kernel)
     mlp = model.get_base_model().model.layers[0].mlp
@@ -95,7 +96,7 @@ def test_the_mlp_keeps_no_tokens_by_intermediate_tensor_for_its_backward(tiny_mo
     activation (tokens x intermediate each); with the chunked op or the traced function, nothing that wide: its
     input, the LoRA-A outputs (tokens x r) and the masks as bits."""
     model = quantized_lora_model(tiny_model_dir, torch.float32, dropout=0.1)
-    kernels.use_fused_lora(model)
+    lora_kernel.use_fused_lora(model)
     mlp = model.get_base_model().model.layers[0].mlp
     inter, tokens = mlp.gate_proj.out_features, 12
     x = torch.randn(1, tokens, mlp.gate_proj.in_features, requires_grad=True)
@@ -134,13 +135,13 @@ def test_a_compiled_checkpointed_layer_with_the_fused_mlp_trains_like_an_eager_o
     for keep_8bit in (False, keeps_8bit_absmax("fused", True, kernel)):  # the compiled one as the plan has it
         model = quantized_lora_model(tiny_model_dir, torch.float32)
         model.get_base_model().gradient_checkpointing_enable({"use_reentrant": False})
-        kernels.use_fused_lora(model, keep_8bit_absmax=keep_8bit)
+        lora_kernel.use_fused_lora(model, keep_8bit_absmax=keep_8bit)
         fused_mlp.use_fused_mlp(model, chunk=16, kernel=kernel)
         models.append(model)
     eager, compiled = models
     torch._dynamo.reset()
     counters.clear()
-    kernels.compile_layers(compiled, backend="aot_eager")
+    compiled_layers.compile_layers(compiled, backend="aot_eager")
     torch._dynamo.config.suppress_errors = False
     try:
         for length in (40, 48):
@@ -155,7 +156,7 @@ def test_a_compiled_checkpointed_layer_with_the_fused_mlp_trains_like_an_eager_o
         assert not counters["graph_break"], dict(counters["graph_break"])
     finally:
         torch._dynamo.reset()
-        kernels.uncompile_layers(compiled)
+        compiled_layers.uncompile_layers(compiled)
 
 
 def test_the_plan_takes_the_traced_mlp_where_every_layer_is_checkpointed_and_chunks_only_rows_that_would_not_fit():

@@ -1,4 +1,4 @@
-"""freetune.graphed_layers: freetune's own checkpoint of the decoder layers, replayed as CUDA graphs on a GPU.
+"""freetune.speed.cuda_graphs: freetune's own checkpoint of the decoder layers, replayed as CUDA graphs on a GPU.
 
 On a CPU the same checkpoint runs without graphs (the buffers, the stored inputs, the padded row boundaries and the
 16-bit LoRA weights' buffers all as on a GPU): its loss and gradients are transformers' checkpoint's. On a GPU the
@@ -9,7 +9,7 @@ the same compiled layers under transformers' checkpoint.
 import pytest
 import torch
 
-from freetune import batching, graphed_layers, kernels
+from freetune.speed import batching, compiled_layers, cuda_graphs, lora_kernel
 from test_kernels import quantized_lora_model
 
 
@@ -48,9 +48,9 @@ def graphed_model(model_dir, dtype, device="cpu", graphs=True, max_tokens=256, m
                   same_buffers=True):
     model = quantized_lora_model(model_dir, dtype).to(device)
     model.get_base_model().gradient_checkpointing_enable({"use_reentrant": False})
-    kernels.use_fused_lora(model)
-    assert kernels.cast_adapters_once_per_forward(model, same_buffers=same_buffers) is not None
-    graphed = graphed_layers.GraphedLayers(model, max_tokens=max_tokens, max_row=max_row, max_rows=max_rows,
+    lora_kernel.use_fused_lora(model)
+    assert lora_kernel.cast_adapters_once_per_forward(model, same_buffers=same_buffers) is not None
+    graphed = cuda_graphs.GraphedLayers(model, max_tokens=max_tokens, max_row=max_row, max_rows=max_rows,
                                            graphs=graphs, fixed_pairs=True)
     return model, graphed
 
@@ -71,7 +71,7 @@ def test_the_checkpoint_trains_like_transformers_checkpoint_on_a_cpu(tiny_model_
     layer i + 1's output, so a gradient comes out right only if the stored inputs came back."""
     reference, _ = graphed_model(tiny_model_dir, torch.float32, same_buffers=False)  # as without graphs
     model, graphed = graphed_model(tiny_model_dir, torch.float32)
-    layers = graphed_layers.decoder_layers(model)
+    layers = cuda_graphs.decoder_layers(model)
     transformers_own = [layer._gradient_checkpointing_func for layer in layers]
     assert graphed.install() == len(layers) > 1
     assert all(layer._gradient_checkpointing_func.func == graphed._checkpoint for layer in layers)
@@ -110,13 +110,13 @@ def test_where_the_graphs_do_not_apply_the_run_is_told_why(tiny_model_dir):
 
     model, _ = graphed_model(tiny_model_dir, torch.float32)
     plan = SimpleNamespace(device="cuda", batching="padding_free", gradient_checkpointing=True, checkpoint_every=1)
-    assert graphed_layers.why_not(model, plan, world_size=1, cast_once=True) is None
-    assert graphed_layers.why_not(model, plan, world_size=2, cast_once=False) == (
+    assert cuda_graphs.why_not(model, plan, world_size=1, cast_once=True) is None
+    assert cuda_graphs.why_not(model, plan, world_size=2, cast_once=False) == (
         "more than one process; LoRA weights not cast once per forward (fused LoRA layers in one process)")
     dropout = quantized_lora_model(tiny_model_dir, torch.float32, dropout=0.05)
-    assert "dropout 0.05" in graphed_layers.why_not(dropout, plan, world_size=1, cast_once=True)
+    assert "dropout 0.05" in cuda_graphs.why_not(dropout, plan, world_size=1, cast_once=True)
     cpu = SimpleNamespace(device="cpu", batching="padded", gradient_checkpointing=True, checkpoint_every=2)
-    assert graphed_layers.why_not(model, cpu, 1, True) == (
+    assert cuda_graphs.why_not(model, cpu, 1, True) == (
         "no GPU; batches that are not padding-free; not every decoder layer checkpointed")
 
 
@@ -176,7 +176,7 @@ def test_the_graphs_replay_what_transformers_checkpoint_computes_on_a_gpu(tiny_m
     reference, _ = graphed_model(tiny_model_dir, torch.float16, device="cuda", same_buffers=False)
     model, graphed = graphed_model(tiny_model_dir, torch.float16, device="cuda", max_tokens=512)
     for m in (reference, model):
-        kernels.compile_layers(m)
+        compiled_layers.compile_layers(m)
     graphed.install()
     batches = [(40, 70, 30), (64, 64, 20, 12), (10, 90, 33), (100, 50), (200, 100), (150, 150, 10)]
     for seed, lengths in enumerate(batches):
@@ -194,5 +194,5 @@ def test_the_graphs_replay_what_transformers_checkpoint_computes_on_a_gpu(tiny_m
         assert len(shape.forward_graphs) == len(shape.backward_graphs) == layers
     # The first batch ran without graphs; each count's first batch after it recorded its graphs, once.
     assert graphed.recorded == 2 * 2 * layers
-    kernels.uncompile_layers(model)
-    kernels.uncompile_layers(reference)
+    compiled_layers.uncompile_layers(model)
+    compiled_layers.uncompile_layers(reference)

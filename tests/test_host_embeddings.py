@@ -1,14 +1,15 @@
-"""freetune.host_embeddings: the input embedding table looked up in host RAM gives the same logits and LoRA gradients,
-and goes back where it was. On this CPU-only machine the table's "home" is the CPU too: the lookup, the forward's
-replacement and its undoing are what runs here; the copy to a GPU runs in the GPU benchmark (scripts/bench.py, 4 GiB)."""
+"""freetune.speed.host_embeddings: the input embedding table looked up in host RAM gives the same logits and LoRA
+gradients, and goes back where it was. On this CPU-only machine the table's "home" is the CPU too: the lookup, the
+forward's replacement and its undoing are what runs here; the copy to a GPU runs in the GPU benchmark (scripts/bench.py,
+4 GiB)."""
 
 import pytest
 import torch
 
-from freetune import host_embeddings
 from freetune.fixtures import cached_tiny_model
 from freetune.model import attach_lora, load_base_model
 from freetune.preflight import Hardware, make_plan
+from freetune.speed import host_embeddings
 
 
 def _loss_and_grads(model, ids):

@@ -1,4 +1,4 @@
-"""freetune.kernels: the fused QLoRA layer computes what peft's layer computes, and the plan's speed choices.
+"""freetune.speed.lora_kernel: the fused QLoRA layer computes what peft's layer computes, and the plan's speed choices.
 
 On a CPU bitsandbytes' 4-bit weights, dequantisation and peft's LoRA layers are the real ones (the same code a
 GPU runs, CPU kernels underneath). fp32 compute makes the comparison exact up to summation order; bf16 shows the
@@ -8,9 +8,9 @@ rounding a GPU run sees.
 import pytest
 import torch
 
-from freetune import kernels
 from freetune.errors import FreetuneError
 from freetune.preflight import GPU, Hardware, make_plan
+from freetune.speed import compiled_layers, lora_kernel, nf4
 
 
 def quantized_lora_model(model_dir, dtype, dropout=0.0, **lora):
@@ -44,7 +44,7 @@ def loss_and_grads(model, ids, autocast_dtype=None):
 @pytest.mark.parametrize("nested, keep_8bit", [(True, False), (True, True), (False, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_the_fused_dequantisation_is_bitsandbytes_own(nested, keep_8bit, dtype):
-    """kernels._dequantize (on plain tensors, what a compiled layer can trace) gives
+    """nf4._dequantize (on plain tensors, what a compiled layer can trace) gives
     bitsandbytes.functional.dequantize_4bit's weight, with and without double quantisation: eagerly bit for bit
     (bitsandbytes' registered ops, the 8-bit absmax values dequantised once to fp32 by quant_args, or, kept 8-bit,
     at each call), and compiled by inductor from the 8-bit values and their table as plain tensor code (one fused
@@ -52,13 +52,13 @@ def test_the_fused_dequantisation_is_bitsandbytes_own(nested, keep_8bit, dtype):
     dtype's rounding, almost every weight equal)."""
     import bitsandbytes.functional as bnbf
 
-    from freetune import bnb_cpu
+    from freetune.speed import bnb_cpu
 
     bnb_cpu.ensure_correct_dequantize()  # as freetune does before it loads a 4-bit model on a CPU
     weight = torch.randn(96, 160, generator=torch.Generator().manual_seed(1)).to(dtype)
     packed, state = bnbf.quantize_4bit(weight, quant_type="nf4", compress_statistics=nested)
     assert state.nested == nested
-    absmax, table, spec = kernels.quant_args(state, keep_8bit_absmax=keep_8bit)
+    absmax, table, spec = nf4.quant_args(state, keep_8bit_absmax=keep_8bit)
     assert absmax.numel() == weight.numel() // state.blocksize
     if nested and keep_8bit:  # the 8-bit values as they were, and a table of 16 + 256 + 1 + one scale per 256
         assert absmax is state.absmax and absmax.dtype == torch.uint8 and table.shape == (16 + 256 + 1 + 1,)
@@ -66,13 +66,13 @@ def test_the_fused_dequantisation_is_bitsandbytes_own(nested, keep_8bit, dtype):
         assert table is None and absmax.dtype == torch.float32
         assert (absmax is not state.absmax) == nested  # nested: a new fp32 tensor; the 8-bit one stays as it was
     want = bnbf.dequantize_4bit(packed, state)
-    got = kernels._dequantize(packed, absmax, spec, table)
+    got = nf4._dequantize(packed, absmax, spec, table)
     assert got.dtype == dtype and got.shape == weight.shape
     assert torch.equal(got, want)
     assert (got.float() - weight.float()).abs().mean() < 0.1  # and it is the weight, not some other tensor
     if table is not None:
         torch._dynamo.reset()
-        traced = torch.compile(kernels._dequantize, backend="inductor", fullgraph=True)(packed, absmax, spec, table)
+        traced = torch.compile(nf4._dequantize, backend="inductor", fullgraph=True)(packed, absmax, spec, table)
         torch._dynamo.reset()
         assert traced.dtype == dtype and traced.shape == weight.shape
         step = {torch.float32: 2**-23, torch.bfloat16: 2**-8, torch.float16: 2**-10}[dtype]
@@ -82,29 +82,29 @@ def test_the_fused_dequantisation_is_bitsandbytes_own(nested, keep_8bit, dtype):
 
 @pytest.mark.parametrize("keep_8bit", [False, True])
 def test_a_backward_input_gradient_dequantises_its_weight_where_the_compiled_graph_reaches_it(keep_8bit):
-    """kernels.times_dequantized (d W, a backward's input gradient) is d times bitsandbytes' dequantised weight,
+    """nf4.times_dequantized (d W, a backward's input gradient) is d times bitsandbytes' dequantised weight,
     eagerly and compiled; compiled, the dequantisation runs inside freetune::dequantized_mm, called with d, so that
     inductor can neither fuse it with the same weight's dequantisation earlier in the graph nor move it there (which
     kept a 16-bit copy of each weight alive across the backward's peak)."""
     import bitsandbytes.functional as bnbf
     from torch._inductor.utils import run_and_get_code
 
-    from freetune import bnb_cpu
+    from freetune.speed import bnb_cpu
 
     bnb_cpu.ensure_correct_dequantize()
     weight = torch.randn(96, 160, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     packed, state = bnbf.quantize_4bit(weight, quant_type="nf4", compress_statistics=True)
-    absmax, table, spec = kernels.quant_args(state, keep_8bit_absmax=keep_8bit)
+    absmax, table, spec = nf4.quant_args(state, keep_8bit_absmax=keep_8bit)
     x = torch.randn(37, 160, dtype=torch.bfloat16)
     want_w = bnbf.dequantize_4bit(packed, state)
 
     def forward_then_gradient(x):  # the recomputed forward's product, then the input gradient of a function of it
-        y = x @ kernels._dequantize(packed, absmax, spec, table).t()
-        return y, kernels.times_dequantized(y * 2.0, packed, absmax, spec, table)
+        y = x @ nf4._dequantize(packed, absmax, spec, table).t()
+        return y, nf4.times_dequantized(y * 2.0, packed, absmax, spec, table)
 
     y, eager = forward_then_gradient(x)
     assert torch.equal(eager, (y * 2.0) @ want_w)
-    kernels._dequantized_mm_op()  # defined eagerly, as use_fused_lora does before any layer compiles
+    nf4._dequantized_mm_op()  # defined eagerly, as use_fused_lora does before any layer compiles
     torch._dynamo.reset()
     (y_compiled, compiled), codes = run_and_get_code(torch.compile(forward_then_gradient, fullgraph=True), x)
     torch._dynamo.reset()
@@ -122,11 +122,11 @@ def test_the_compiled_dequantisation_from_8bit_absmax_values_on_a_gpu():
     for dtype in (torch.float16, torch.bfloat16):
         weight = torch.randn(1536, 8960 + 96, device="cuda", generator=torch.Generator("cuda").manual_seed(2)).to(dtype)
         packed, state = bnbf.quantize_4bit(weight, quant_type="nf4", compress_statistics=True)
-        absmax, table, spec = kernels.quant_args(state, keep_8bit_absmax=True)
+        absmax, table, spec = nf4.quant_args(state, keep_8bit_absmax=True)
         want = bnbf.dequantize_4bit(packed, state)
-        assert torch.equal(kernels._dequantize(packed, absmax, spec, table), want)
+        assert torch.equal(nf4._dequantize(packed, absmax, spec, table), want)
         torch._dynamo.reset()
-        traced = torch.compile(kernels._dequantize, fullgraph=True)(packed, absmax, spec, table)
+        traced = torch.compile(nf4._dequantize, fullgraph=True)(packed, absmax, spec, table)
         torch._dynamo.reset()
         step = {torch.bfloat16: 2**-8, torch.float16: 2**-10}[dtype]
         torch.testing.assert_close(traced.float(), want.float(), rtol=step, atol=0)
@@ -149,13 +149,13 @@ def test_the_fused_layers_keep_fp32_absmax_values_instead_of_8bit_ones_as_the_me
     x = torch.randn(3, layers[0].in_features, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         before = layers[0].base_layer(x)
-    fused, _ = kernels.use_fused_lora(model)
-    copies = [m._freetune_absmax for m in model.modules() if getattr(m, kernels.FUSED_ATTR, False)]
+    fused, _ = lora_kernel.use_fused_lora(model)
+    copies = [m._freetune_absmax for m in model.modules() if getattr(m, lora_kernel.FUSED_ATTR, False)]
     assert len(copies) == fused == len(layers) and all(c.dtype == torch.float32 for c in copies)
     assert all(not st.nested and st.state2 is None and st.absmax is c for st, c in zip(states, copies))
     with torch.no_grad():
         assert torch.equal(layers[0].base_layer(x), before)
-    assert kernels.use_fused_lora(model)[0] == fused  # idempotent on the single-quantised state
+    assert lora_kernel.use_fused_lora(model)[0] == fused  # idempotent on the single-quantised state
     shape = ModelShape.named(str(tiny_model_dir))
     common = dict(max_length=64, micro_batch=1, device="cpu", compute_dtype="float32")
     added = (estimate(shape, lora_kernel="fused", **common).weights_4bit_gib
@@ -185,12 +185,12 @@ def test_layers_that_will_be_compiled_keep_the_8bit_absmax_values(tiny_model_dir
     assert not keeps_8bit_absmax("peft", True, "layers")
     ids = torch.randint(3, 500, (1, 48), generator=torch.Generator().manual_seed(5))
     reference = quantized_lora_model(tiny_model_dir, torch.float32)
-    kernels.use_fused_lora(reference)
+    lora_kernel.use_fused_lora(reference)
     want = loss_and_grads(reference, ids)
     model = quantized_lora_model(tiny_model_dir, torch.float32)
     layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
     states = [(m.base_layer.weight.quant_state, m.base_layer.weight.quant_state.absmax) for m in layers]
-    assert kernels.use_fused_lora(model, keep_8bit_absmax=True)[0] == len(layers)
+    assert lora_kernel.use_fused_lora(model, keep_8bit_absmax=True)[0] == len(layers)
     for layer, (state, absmax) in zip(layers, states):
         assert state.nested and state.absmax is absmax and layer._freetune_absmax is absmax
         assert layer._freetune_absmax_table.numel() == 16 + 256 + 1 + -(-absmax.numel() // 256)
@@ -207,9 +207,9 @@ def test_fused_layers_give_peft_loss_and_gradients(tiny_model_dir, dtype, tolera
     reference = loss_and_grads(quantized_lora_model(tiny_model_dir, dtype), ids, autocast)
 
     model = quantized_lora_model(tiny_model_dir, dtype)
-    fused, seen = kernels.use_fused_lora(model)
+    fused, seen = lora_kernel.use_fused_lora(model)
     assert fused == seen > 0
-    assert kernels.use_fused_lora(model) == (fused, seen)  # idempotent
+    assert lora_kernel.use_fused_lora(model) == (fused, seen)  # idempotent
     got = loss_and_grads(model, ids, autocast)
 
     assert got[0] == pytest.approx(reference[0], rel=1e-5 if dtype == torch.float32 else 1e-3)
@@ -229,8 +229,8 @@ def test_fused_dropout_uses_one_mask_for_output_and_gradients(tiny_model_dir):
     p = 0.3
     model = quantized_lora_model(tiny_model_dir, torch.float32, dropout=p)
     layer = model.get_base_model().model.layers[0].mlp.down_proj
-    assert kernels.fusable(layer) == ""
-    kernels.use_fused_lora(model)
+    assert lora_kernel.fusable(layer) == ""
+    lora_kernel.use_fused_lora(model)
     name = layer.active_adapters[0]
     a, b, s = layer.lora_A[name].weight, layer.lora_B[name].weight, layer.scaling[name]
     x = torch.randn(2, 9, layer.in_features, generator=torch.Generator().manual_seed(2))
@@ -261,9 +261,9 @@ def test_fused_dropout_uses_one_mask_for_output_and_gradients(tiny_model_dir):
 @pytest.mark.parametrize("width", [8, 13, 64])
 def test_dropout_masks_are_saved_as_bits_and_read_back_whole(width):
     kept = torch.rand(37, width, generator=torch.Generator().manual_seed(width)) > 0.3
-    packed = kernels.pack_mask(kept)
+    packed = lora_kernel.pack_mask(kept)
     assert packed.dtype == torch.uint8 and packed.shape == (37, -(-width // 8))
-    assert torch.equal(kernels.unpack_mask(packed, width, torch.float16), kept.to(torch.float16))
+    assert torch.equal(lora_kernel.unpack_mask(packed, width, torch.float16), kept.to(torch.float16))
 
 
 def test_a_compiled_layer_saves_its_dropout_masks_as_bits(tiny_model_dir):
@@ -273,7 +273,7 @@ def test_a_compiled_layer_saves_its_dropout_masks_as_bits(tiny_model_dir):
 
     model = quantized_lora_model(tiny_model_dir, torch.float32, dropout=0.1)
     layer = model.get_base_model().model.layers[0].mlp.down_proj
-    kernels.use_fused_lora(model)
+    lora_kernel.use_fused_lora(model)
     x = torch.randn(3, 5, layer.in_features, requires_grad=True)
     masks = {}
     for mode, run in (("eager", layer), ("compiled", torch.compile(layer, backend="aot_eager", fullgraph=True))):
@@ -292,7 +292,7 @@ def test_a_compiled_layer_saves_its_dropout_masks_as_bits(tiny_model_dir):
 
 def test_evaluation_and_unsupported_layers_keep_peft_forward(tiny_model_dir):
     model = quantized_lora_model(tiny_model_dir, torch.float32)
-    kernels.use_fused_lora(model)
+    lora_kernel.use_fused_lora(model)
     layer = model.get_base_model().model.layers[0].self_attn.q_proj
     x = torch.randn(1, 5, layer.in_features)
     model.eval()  # generation: bitsandbytes' own inference kernels, through peft's forward
@@ -300,8 +300,8 @@ def test_evaluation_and_unsupported_layers_keep_peft_forward(tiny_model_dir):
         assert torch.equal(layer(x), type(layer).forward(layer, x))
 
     dora = quantized_lora_model(tiny_model_dir, torch.float32, use_dora=True)
-    assert "variant" in kernels.fusable(dora.get_base_model().model.layers[0].mlp.up_proj)
-    assert kernels.use_fused_lora(dora)[0] == 0
+    assert "variant" in lora_kernel.fusable(dora.get_base_model().model.layers[0].mlp.up_proj)
+    assert lora_kernel.use_fused_lora(dora)[0] == 0
 
 
 @pytest.mark.parametrize("checkpointing, keep_8bit, cast_once", [(False, True, False), (True, True, False),
@@ -321,15 +321,15 @@ def test_compiled_layers_train_like_eager_ones(tiny_model_dir, checkpointing, ke
     for model in (eager, compiled):
         if checkpointing:  # as the Trainer sets it up, before train() compiles the layers
             model.get_base_model().gradient_checkpointing_enable({"use_reentrant": False})
-        kernels.use_fused_lora(model, keep_8bit_absmax=keep_8bit and model is compiled)
+        lora_kernel.use_fused_lora(model, keep_8bit_absmax=keep_8bit and model is compiled)
     if cast_once:
-        assert kernels.cast_adapters_once_per_forward(compiled) is not None
+        assert lora_kernel.cast_adapters_once_per_forward(compiled) is not None
     torch._dynamo.reset()
     counters.clear()
-    assert kernels.compile_layers(compiled, backend="aot_eager") == len(compiled.get_base_model().model.layers)
+    assert compiled_layers.compile_layers(compiled, backend="aot_eager") == len(compiled.get_base_model().model.layers)
     torch._dynamo.config.suppress_errors = False  # here a layer that fails to compile must fail the test
     weight_shapes = {tuple(m.base_layer.weight.quant_state.shape) for m in compiled.modules()
-                     if getattr(m, kernels.FUSED_ATTR, False)}
+                     if getattr(m, lora_kernel.FUSED_ATTR, False)}
     out_sizes = {shape[0] for shape in weight_shapes}
     wrapped_floats = []  # Python floats dynamo turns into tensors at each call (none: compile_settings)
     real_wrap = torch._as_tensor_fullprec
@@ -365,8 +365,8 @@ def test_compiled_layers_train_like_eager_ones(tiny_model_dir, checkpointing, ke
     assert graphs[0] in (1, 2) and len(set(graphs)) == 1, graphs
     assert not counters["graph_break"], dict(counters["graph_break"])
     # After training the layers run eagerly again (generation has other shapes).
-    assert kernels.uncompile_layers(compiled) == len(compiled.get_base_model().model.layers)
-    assert kernels.uncompile_layers(compiled) == 0
+    assert compiled_layers.uncompile_layers(compiled) == len(compiled.get_base_model().model.layers)
+    assert compiled_layers.uncompile_layers(compiled) == 0
 
 
 class CountOps(torch.utils._python_dispatch.TorchDispatchMode):
@@ -393,9 +393,9 @@ def test_the_lora_weights_are_cast_once_per_forward_with_the_same_numbers(tiny_m
     for model in models:
         if checkpointing:
             model.get_base_model().gradient_checkpointing_enable({"use_reentrant": False})
-        kernels.use_fused_lora(model)
+        lora_kernel.use_fused_lora(model)
     reference, model = models
-    projections = [m for m in model.modules() if getattr(m, kernels.FUSED_ATTR, False)]
+    projections = [m for m in model.modules() if getattr(m, lora_kernel.FUSED_ATTR, False)]
     for warm in models:  # first calls, and the first evaluation, make a few one-off casts: counted after them
         loss_and_grads(warm, ids, torch.bfloat16)
         warm.zero_grad()
@@ -405,7 +405,7 @@ def test_the_lora_weights_are_cast_once_per_forward_with_the_same_numbers(tiny_m
         warm.train()
     with CountOps() as per_layer:
         want = loss_and_grads(reference, ids, torch.bfloat16)
-    undo = kernels.cast_adapters_once_per_forward(model)
+    undo = lora_kernel.cast_adapters_once_per_forward(model)
     with CountOps() as once:
         got = loss_and_grads(model, ids, torch.bfloat16)
 
@@ -416,7 +416,7 @@ def test_the_lora_weights_are_cast_once_per_forward_with_the_same_numbers(tiny_m
     assert per_layer.calls["aten._to_copy.default"] - once.calls["aten._to_copy.default"] == \
         per_projection * len(projections)
     assert once.calls["aten._foreach_copy_.default"] == 2 and "aten._foreach_copy_.default" not in per_layer.calls
-    assert all(getattr(m, kernels.ADAPTER_16BIT_ATTR) is None for m in projections)  # freed after the backward
+    assert all(getattr(m, lora_kernel.ADAPTER_16BIT_ATTR) is None for m in projections)  # freed after the backward
 
     model.eval()
     with torch.no_grad(), CountOps() as evaluation:
@@ -430,16 +430,16 @@ def test_the_lora_weights_are_cast_once_per_forward_with_the_same_numbers(tiny_m
     assert torch.equal(again[1][next(iter(want[1]))], 2 * want[1][next(iter(want[1]))])  # accumulated on the first
 
     # A LoRA weight replaced after the hook was installed (a resumed run's loading may do that) is the one cast.
-    undo = kernels.cast_adapters_once_per_forward(model)
+    undo = lora_kernel.cast_adapters_once_per_forward(model)
     replacement = torch.randn_like(projections[0].lora_A["default"].weight)
-    for layer in (projections[0], next(m for m in reference.modules() if getattr(m, kernels.FUSED_ATTR, False))):
+    for layer in (projections[0], next(m for m in reference.modules() if getattr(m, lora_kernel.FUSED_ATTR, False))):
         layer.lora_A["default"].weight = torch.nn.Parameter(replacement.clone())
     assert loss_and_grads(model, ids, torch.bfloat16)[0] == loss_and_grads(reference, ids, torch.bfloat16)[0]
     # A forward whose backward never came (a step stopped in between) leaves its copies; undoing drops them.
     model(input_ids=ids)
-    assert getattr(projections[0], kernels.ADAPTER_16BIT_ATTR) is not None
+    assert getattr(projections[0], lora_kernel.ADAPTER_16BIT_ATTR) is not None
     undo()
-    assert all(getattr(m, kernels.ADAPTER_16BIT_ATTR) is None for m in projections)
+    assert all(getattr(m, lora_kernel.ADAPTER_16BIT_ATTR) is None for m in projections)
 
 
 def test_under_ddp_each_compiled_layer_stays_one_graph(tmp_path):
@@ -497,7 +497,7 @@ def test_the_fused_layers_never_compute_with_the_4bit_parameter_subclass(tiny_mo
     monkeypatch.setattr(Params4bit, "__torch_function__", classmethod(counting))
     loss_and_grads(model, ids)  # peft's layers: bitsandbytes computes with the subclass, and saves it
     assert set(seen) - {"data", "requires_grad", "shape"}, set(seen)
-    assert kernels.use_fused_lora(model)[0] == 7 * len(model.get_base_model().model.layers)
+    assert lora_kernel.use_fused_lora(model)[0] == 7 * len(model.get_base_model().model.layers)
     seen.clear()
     loss, grads = loss_and_grads(model, ids)
     # Only peft's requires_grad checks (its layer asks whether the base weight trains) remain.

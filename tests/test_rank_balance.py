@@ -1,7 +1,7 @@
 """No rank waits for another at the all-reduce (issue 8): each optimizer step's rows are dealt out by length.
 
 Under DDP (and FSDP) every rank waits at each optimizer step for the rank with the most tokens. freetune's
-RankBalancedSampler (freetune.sampler) gives every rank the same number of tokens to within one row, keeps every
+RankBalancedSampler (freetune.speed.sampler) gives every rank the same number of tokens to within one row, keeps every
 micro-batch at the planned number of rows, and takes the same rows per optimizer step whatever the number of
 ranks. Checked on the sampler itself over realistic row lengths, and through the Trainer under torchrun (gloo).
 """
@@ -26,7 +26,7 @@ def sft_lengths(n: int, seed: int = 0) -> list[int]:
 
 def walk(lengths, ranks, grad_accum, micro_batch, group_by_length=False, epoch=0):
     """Every rank's micro-batches for one epoch, as the DataLoader would ask for them: [rank][k] -> indices."""
-    from freetune.sampler import _rank_balanced_sampler_class
+    from freetune.speed.sampler import _rank_balanced_sampler_class
 
     out = []
     for rank in range(ranks):

@@ -84,7 +84,7 @@ def foreign_names(tree) -> set:
 
 
 def freetune_module_names(tree) -> set:
-    """Names a module binds to freetune's own modules (from freetune import kernels; import freetune.fast)."""
+    """Names a module binds to freetune's own modules (from freetune.speed import nf4; import freetune.speed.mlp)."""
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):

@@ -1,4 +1,4 @@
-"""freetune.triton_kernels: each kernel computes what the eager code it replaces computes.
+"""freetune.speed.triton_kernels: each kernel computes what the eager code it replaces computes.
 
 On a CPU the kernels run through Triton's interpreter (TRITON_INTERPRET=1: the same kernel source, each program's
 block of elements as NumPy arrays), so the indexing, masks and arithmetic are checked here; `-k on_a_gpu` runs the
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from freetune import bnb_cpu, fused_mlp, kernels, triton_kernels
+from freetune.speed import bnb_cpu, lora_kernel, mlp_ops, nf4, triton_kernels
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -43,7 +43,7 @@ def nested_weight(shape, dtype, device, seed=0):
 
     weight = torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype).to(device)
     packed, state = bnbf.quantize_4bit(weight, quant_type="nf4", compress_statistics=True)
-    absmax, table, spec = kernels.quant_args(state, keep_8bit_absmax=True)
+    absmax, table, spec = nf4.quant_args(state, keep_8bit_absmax=True)
     return packed, state, absmax, table, spec
 
 
@@ -61,8 +61,8 @@ def check_dequantisation(device):
             want = bnbf.dequantize_4bit(packed, state)
             got = triton_kernels.run("dequantize_nf4_nested", packed, absmax, table, spec[0], spec[2], spec[3])
             assert got.dtype == dtype and got.shape == shape
-            # and what kernels._dequantize does eagerly there (the custom ops' bodies)
-            for out in (got, kernels._dequantize(packed, absmax, spec, table)):
+            # and what nf4._dequantize does eagerly there (the custom ops' bodies)
+            for out in (got, nf4._dequantize(packed, absmax, spec, table)):
                 if device == "cpu" and dtype == torch.bfloat16:
                     # Triton's interpreter casts fp32 to bf16 by truncation (NumPy has no bf16), a GPU rounds to
                     # nearest even as bitsandbytes does: one bf16 step at most here, equal on the GPU
@@ -87,7 +87,7 @@ def rounding(dtype):
 
 
 def check_mlp_helpers(device):
-    """The SwiGLU helpers of freetune.fused_mlp through their kernels against the code as written (which rounds to
+    """The SwiGLU helpers of freetune.speed.mlp through their kernels against the code as written (which rounds to
     16 bits between its ops, where a kernel rounds once): within a rounding step or two of the dtype."""
     assert triton_kernels.usable(torch.empty(1, device=device))
     gen = torch.Generator().manual_seed(0)
@@ -95,25 +95,25 @@ def check_mlp_helpers(device):
         tokens, width = 37, 203  # a width that is no multiple of 8: the packed mask's last byte is partial
         g, u, d, x = (torch.randn(tokens, width, generator=gen).to(dtype).to(device) for _ in range(4))
         kept = (torch.rand(tokens, width, generator=gen) > 0.3).to(device)
-        packed = kernels.pack_mask(kept)
-        assert torch.equal(fused_mlp._pack(kept), packed)  # bits: exact
+        packed = lora_kernel.pack_mask(kept)
+        assert torch.equal(mlp_ops._pack(kept), packed)  # bits: exact
         scale = 1 / 0.7
         tol = dict(rtol=2 * rounding(dtype), atol=2 * rounding(dtype))
         for mask, s in ((None, 0.0), (packed, scale)):
-            got = fused_mlp._activation(g, u, mask, s)
-            want = fused_mlp._activation.eager(g.float(), u.float(), mask, s).to(dtype)
+            got = mlp_ops._activation(g, u, mask, s)
+            want = mlp_ops._activation.eager(g.float(), u.float(), mask, s).to(dtype)
             torch.testing.assert_close(got, want, **tol)
-        torch.testing.assert_close(fused_mlp._dropped(x, packed, scale),
-                                   fused_mlp._dropped.eager(x.float(), packed, scale).to(dtype), **tol)
+        torch.testing.assert_close(mlp_ops._dropped(x, packed, scale),
+                                   mlp_ops._dropped.eager(x.float(), packed, scale).to(dtype), **tol)
         dx = d.clone()
-        out = fused_mlp._add_dropped_(x, packed, scale, dx)
+        out = mlp_ops._add_dropped_(x, packed, scale, dx)
         assert out.data_ptr() == dx.data_ptr()  # in place
-        torch.testing.assert_close(dx, fused_mlp._add_dropped_.eager(x.float(), packed, scale, d.float()).to(dtype),
+        torch.testing.assert_close(dx, mlp_ops._add_dropped_.eager(x.float(), packed, scale, d.float()).to(dtype),
                                    **tol)
         gk, uk = g.clone(), u.clone()
-        fused_mlp._swiglu_grads_(gk, uk, d)
+        mlp_ops._swiglu_grads_(gk, uk, d)
         ge, ue = g.float(), u.float()
-        fused_mlp._swiglu_grads_.eager(ge, ue, d.float())
+        mlp_ops._swiglu_grads_.eager(ge, ue, d.float())
         torch.testing.assert_close(gk, ge.to(dtype), **tol)
         torch.testing.assert_close(uk, ue.to(dtype), **tol)
         assert not torch.equal(gk, g) and not torch.equal(uk, u)  # written over g and u
@@ -143,16 +143,17 @@ def check_mlp_backward_op(device):
     g, u, hg, hu, dy, dh = (rand(tokens, inter), rand(tokens, inter), rand(tokens, r), rand(tokens, r),
                             rand(tokens, hidden), rand(tokens, r))
     gb, ub, da = rand(inter, r, scale=0.1), rand(inter, r, scale=0.1), rand(r, inter, scale=0.1)
-    chunk, broken, launched, real_run = fused_mlp.CHUNK_TOKENS, dict(triton_kernels._BROKEN), [], triton_kernels.run
-    fused_mlp.CHUNK_TOKENS = 16  # several chunks, the last one partial (a process of its own, or restored below)
+    chunk, broken, launched, real_run = mlp_ops.CHUNK_TOKENS, dict(triton_kernels._BROKEN), [], triton_kernels.run
+    mlp_ops.CHUNK_TOKENS = 16  # several chunks, the last one partial (a process of its own, or restored below)
     triton_kernels.run = lambda name, *a: launched.append(name) or real_run(name, *a)
     try:
         for dropout in (0.0, 0.1):
-            md = kernels.pack_mask(torch.rand(tokens, inter, generator=gen).to(device) > dropout) if dropout else None
+            kept = torch.rand(tokens, inter, generator=gen).to(device) > dropout
+            md = lora_kernel.pack_mask(kept) if dropout else None
 
             def run():
                 gi, ui = g.clone(), u.clone()
-                grad_da = fused_mlp._swiglu_backward_impl(gi, ui, hg, gb, hu, ub, dy, dh, packed, dabs, dtab, da, md,
+                grad_da = mlp_ops._swiglu_backward_impl(gi, ui, hg, gb, hu, ub, dy, dh, packed, dabs, dtab, da, md,
                                                           spec[0], spec[1], list(spec[2]), spec[3], [2.0, 2.0],
                                                           dropout)
                 return grad_da.float(), gi.float(), ui.float()
@@ -171,7 +172,7 @@ def check_mlp_backward_op(device):
                 torch.testing.assert_close(a, b, rtol=0.02, atol=0.02 * b.abs().max().item())
     finally:
         triton_kernels.run = real_run
-        fused_mlp.CHUNK_TOKENS = chunk
+        mlp_ops.CHUNK_TOKENS = chunk
         triton_kernels._BROKEN.clear()
         triton_kernels._BROKEN.update(broken)
 

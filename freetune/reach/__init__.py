@@ -11,7 +11,7 @@ versions.py checks the installed releases against pyproject.toml's pins once per
 peft_bnb modules import it, so the check runs before any of their reaches is used. torch's and IPython's reaches do
 not (their versions are the platform's, and freetune.console imports ipython.py when freetune is imported); where
 one of their attributes is missing, the feature that needs it steps aside and says why (can_show_error_output,
-freetune.fast's probe of the attention kernels).
+freetune.speed.attention's probe of the attention kernels).
 
 This package imports no submodule: `import freetune` stays cheap, and the version check runs only where a reach is.
 """

@@ -47,7 +47,7 @@ def fusable(module) -> str:
 
 def single_quantised(quant_state, absmax) -> None:
     """bitsandbytes 0.50: a double-quantised weight's QuantState made single-quantised, its absmax values `absmax`
-    (dequantised once to fp32 by freetune.kernels.quant_args). The 8-bit values and their own state go (nothing reads
+    (dequantised once to fp32 by freetune.speed.nf4.quant_args). The 8-bit values and their own state go (nothing reads
     them any more); bitsandbytes' own kernels (generation, merging an adapter) read the fp32 values as they read any
     single-quantised weight's."""
     quant_state.absmax = absmax
@@ -56,7 +56,7 @@ def single_quantised(quant_state, absmax) -> None:
     quant_state.offset = None
 
 
-# ---- bitsandbytes 0.50: its CPU 4-bit kernel and layouts (freetune.bnb_cpu) -----------------------------------------
+# ---- bitsandbytes 0.50: its CPU 4-bit kernel and layouts (freetune.speed.bnb_cpu) ------------------------------------
 
 _BNB_CPU_KERNELS: list = []  # the torch.library.Library holding freetune's kernel: freed, it would unregister it
 

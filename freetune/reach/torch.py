@@ -3,7 +3,7 @@ dynamo's mark_static, the multi-tensor copy, the fused attention kernels' aten o
 the instance, and freetune's own state kept on another library's module. Written against torch 2.13.
 
 torch's version is the platform's (Colab's and Kaggle's images), not a pin: a reach whose op is missing makes its
-feature step aside (fast.varlen_works probes the attention ops before a run uses them)."""
+feature step aside (attention.varlen_works probes the attention ops before a run uses them)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ WRITTEN_AGAINST = {"torch": "2.13"}
 
 
 def compile_settings() -> None:
-    """The process-wide torch.compile settings freetune.kernels.compile_layers needs (torch 2.13's dynamo and functorch
-    config). A layer dynamo cannot compile runs eagerly (suppress_errors) rather than stopping the run."""
+    """The process-wide torch.compile settings freetune.speed.compiled_layers.compile_layers needs (torch 2.13's dynamo
+    and functorch config). A layer dynamo cannot compile runs eagerly (suppress_errors) rather than stopping the run."""
     import torch._dynamo
 
     torch._dynamo.config.suppress_errors = True
@@ -95,7 +95,7 @@ def foreach_copy_(destinations, sources) -> None:
     torch._foreach_copy_(destinations, sources)
 
 
-# ---- the fused attention kernels' aten ops (freetune.fast) -----------------------------------------------------
+# ---- the fused attention kernels' aten ops (freetune.speed.attention) ------------------------------------------------
 # torch 2.13: the varlen flash kernel and the memory-efficient kernel's forward and backward, which
 # scaled_dot_product_attention calls on padded batches only; freetune calls them on packed rows (cu_seqlens).
 

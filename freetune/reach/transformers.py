@@ -58,7 +58,7 @@ class NonFiniteGuard(TrainerCallback):
         return control
 
 
-# ---- transformers 5.17: the decoder layers' checkpoint function (freetune.graphed_layers) --------------------------
+# ---- transformers 5.17: the decoder layers' checkpoint function (freetune.speed.cuda_graphs) -------------------------
 
 def replace_checkpoint_function(layer, function):
     """transformers 5.17: a GradientCheckpointingLayer with checkpointing on calls
@@ -69,13 +69,13 @@ def replace_checkpoint_function(layer, function):
     return previous
 
 
-# ---- transformers 5.17: the batch sampler the Trainer hands to the DataLoader (freetune.sampler) -------------------
+# ---- transformers 5.17: the batch sampler the Trainer hands to the DataLoader (freetune.speed.sampler) ---------------
 
 @functools.cache
 def rank_balanced_sampler_class(deal):
     """transformers 5.17: a BatchRebalanceSampler whose rows per rank and micro-batch come from
-    `deal(order, lengths, ranks, grad_accum)` (freetune.sampler.step_rows). It overrides the private _assign, which
-    the base class's private _yield_global_batch calls for every optimizer step's rows."""
+    `deal(order, lengths, ranks, grad_accum)` (freetune.speed.sampler.step_rows). It overrides the private _assign,
+    which the base class's private _yield_global_batch calls for every optimizer step's rows."""
     # A subclass of transformers' BatchRebalanceSampler: the Trainer hands that class to the DataLoader as its
     # batch_sampler and keeps accelerate from sharding it again (it is rank-aware already). Its own assignment
     # sizes micro-batches by a padded-cost model (more rows where rows are short), which would break the plan's
@@ -117,14 +117,14 @@ def rank_balanced_sampler_class(deal):
     return RankBalancedSampler
 
 
-# ---- transformers 5.17: the SwiGLU MLPs (freetune.fused_mlp) --------------------------------------------------------
+# ---- transformers 5.17: the SwiGLU MLPs (freetune.speed.mlp) --------------------------------------------------------
 
 # transformers 5.17's Llama, Qwen2, Qwen3 and Mistral MLPs: forward is down_proj(act_fn(gate_proj(x)) * up_proj(x)).
 SWIGLU_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP")
 
 
 def fusable_mlp(module) -> str | None:
-    """None when `module` is not one of transformers 5.17's SwiGLU MLPs (SWIGLU_MLPS); '' when freetune.fused_mlp can
+    """None when `module` is not one of transformers 5.17's SwiGLU MLPs (SWIGLU_MLPS); '' when freetune.speed.mlp can
     stand in for its forward; else why not."""
     import torch
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import warnings
 
-from freetune.batching import AlignedPaddingFree
 from freetune.reach import versions  # imported first: the installed releases checked before any reach is used
+from freetune.speed.batching import AlignedPaddingFree
 
 WRITTEN_AGAINST = {"trl": "1.16"}
 
@@ -16,7 +16,7 @@ def apply_batching(trainer, batching: str) -> None:
     and the trainer's). TRL refuses padding_free=True with max_length at construction (its check predates its own
     truncation step), yet truncates rows to max_length during dataset preparation whenever packing is off: so the
     trainer is built padded, with rows truncated, and only the collator is switched. "grouped" is set in the config
-    (train_sampling_strategy). The padding-free batches carry freetune.batching.PAD_KEY, which
+    (train_sampling_strategy). The padding-free batches carry freetune.speed.batching.PAD_KEY, which
     freetune.trainer.FreetuneTrainer takes out before the model is called."""
     if batching != "padding_free":
         return

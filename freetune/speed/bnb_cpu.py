@@ -36,7 +36,7 @@ def dequantize_4bit_reference(packed, absmax, blocksize: int, quant_type: str, s
 
 def decode_4bit(packed, code, absmax, blocksize: int, shape, dtype):
     """dequantize_4bit_reference with the 16 values of the 4-bit code given as a tensor: plain tensor code, which
-    inductor fuses into one kernel inside a compiled graph (freetune.kernels._dequantize). Each byte is read twice,
+    inductor fuses into one kernel inside a compiled graph (freetune.speed.nf4._dequantize). Each byte is read twice,
     shifted by 4 then 0: a stack of its two halves stayed a copy kernel of its own in inductor's (CPU) code."""
     import torch
 

@@ -4,10 +4,11 @@ A batch of rows of 300-1,200 tokens padded to its longest row is ~30% pad tokens
 backward. Padding-free, the micro-batch's rows are concatenated into one sequence with position_ids restarting at
 0 per row (TRL's collator does this and adds the row boundaries, cu_seq_lens); transformers
 (masking_utils.find_packed_sequence_indices) turns restarting position_ids into a block-diagonal causal mask, and
-freetune.fast's variable-length kernels take the row boundaries directly, so no token attends across rows: the loss
-is the same as with padding. The concatenated row is padded to a multiple of 8 tokens by one row that trains nothing
-(`AlignedPaddingFree`): compiled layers recompile whenever the length's remainder mod 8 changes. The plan chooses
-the batching (freetune.choices.choose_batching); freetune.reach.trl.apply_batching switches TRL's collator to it.
+freetune.speed.attention's variable-length kernels take the row boundaries directly, so no token attends across rows:
+the loss is the same as with padding. The concatenated row is padded to a multiple of 8 tokens by one row that trains
+nothing (`AlignedPaddingFree`): compiled layers recompile whenever the length's remainder mod 8 changes. The plan
+chooses the batching (freetune.choices.choose_batching); freetune.reach.trl.apply_batching switches TRL's collator to
+it.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ class AlignedPaddingFree:
     batch under PAD_KEY for the token metrics; the trainer takes it out before the model sees the batch.
 
     multiple: a larger one (a whole micro-batch's worth of tokens) makes every batch the same length, as
-    freetune.graphed_layers' CUDA graphs need; max_row then splits the padding into rows of at most that many tokens
+    freetune.speed.cuda_graphs' CUDA graphs need; max_row then splits the padding into rows of at most that many tokens
     (the longest row the attention kernel is told of)."""
 
     def __init__(self, collator, multiple: int = PAD_TO, max_row: int | None = None):

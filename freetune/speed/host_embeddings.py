@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from freetune.distributed import print0
 from freetune.reach.torch import replace_forward, restore_forward, stash, stashed, unstash
+from freetune.speed.feature import Feature
 
 # What an embedding whose table is on the host carries (freetune.reach.torch.stash): the GPU its output goes to, and
 # Gemma-3's scale of its rows (None for the others).
@@ -75,7 +76,7 @@ def at_train_begin():
                 print0(f"Input embeddings: stay on the GPU ({why_not(embedding)}).")
             if moved:
                 print0(f"Input embeddings: in host RAM while training, {moved / 2**20:,.0f} MiB off the GPU "
-                       f"(freetune.host_embeddings).")
+                       f"(freetune.speed.host_embeddings).")
 
     return EmbeddingsToHost()
 
@@ -133,3 +134,15 @@ def _shares_head(model, weight) -> bool:
     head = model.get_output_embeddings()
     head_weight = getattr(head, "weight", None)
     return head_weight is not None and head_weight.data_ptr() == weight.data_ptr()
+
+
+def _applies(plan, trainer) -> tuple[bool, str]:
+    return plan.embeddings_on_host, ""  # the table itself may still refuse at train begin (why_not), and says so
+
+
+def _install(trainer, plan):
+    trainer.add_callback(at_train_begin())
+    return lambda: to_gpu(trainer.model)  # and to export: the model as loaded
+
+
+FEATURE = Feature("Input embeddings", _applies, _install)

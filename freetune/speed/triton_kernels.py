@@ -14,7 +14,7 @@ and on a GPU): the dequantisation bit for bit as bitsandbytes' (the absmax value
 apart, as bitsandbytes does: fp contraction off), the SwiGLU steps in fp32 with one rounding at the end (as inductor
 computes them).
 
-Imported where Triton is (freetune.kernels.triton_for). A launch that fails (a GPU Triton cannot compile for) warns
+Imported where Triton is (freetune.speed.nf4.triton_for). A launch that fails (a GPU Triton cannot compile for) warns
 once and the callers take their eager path from then on.
 """
 
@@ -48,7 +48,7 @@ def run(name: str, *args):
         return globals()[name](*args)
     except Exception as exc:  # a GPU or build Triton cannot compile for: the same arithmetic, eagerly
         _BROKEN["why"] = repr(exc)
-        warnings.warn(f"freetune.triton_kernels: {name} failed ({exc}); the eager code runs instead")
+        warnings.warn(f"freetune.speed.triton_kernels: {name} failed ({exc}); the eager code runs instead")
         return None
 
 
@@ -61,7 +61,7 @@ def contiguous(*tensors) -> bool:
 def _nf4_nested_kernel(packed_ptr, absmax_ptr, table_ptr, out_ptr, n_bytes, n_out,
                        BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, BLOCK: tl.constexpr):
     # A byte holds two 4-bit codes, high nibble first; its block's absmax value is its 8-bit code's value times its
-    # group's scale, plus the offset (freetune.kernels.nested_table: 16 + 256 + 1 + the scales).
+    # group's scale, plus the offset (freetune.speed.nf4.nested_table: 16 + 256 + 1 + the scales).
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < n_bytes
     byte = tl.load(packed_ptr + offs, mask=inside, other=0).to(tl.int32)
@@ -79,7 +79,8 @@ def _nf4_nested_kernel(packed_ptr, absmax_ptr, table_ptr, out_ptr, n_bytes, n_ou
 
 @triton.jit
 def _kept(mask_ptr, offs, inside, cols, mask_cols):
-    # dropout's keep-mask bit of each element (freetune.kernels.pack_mask: 8 per byte, the lowest bit first), 0 or 1
+    # dropout's keep-mask bit of each element, 0 or 1 (freetune.speed.lora_kernel.pack_mask: 8 per byte, the lowest
+    # bit first)
     row = offs // cols
     col = offs % cols
     bits = tl.load(mask_ptr + row * mask_cols + col // 8, mask=inside, other=0).to(tl.int32)
@@ -180,7 +181,7 @@ def dropped(x, packed, scale: float, out=None):
 
 
 def pack(kept):
-    """A boolean keep-mask (tokens, n) as bits (tokens, ceil(n / 8)), as freetune.kernels.pack_mask."""
+    """A boolean keep-mask (tokens, n) as bits (tokens, ceil(n / 8)), as freetune.speed.lora_kernel.pack_mask."""
     tokens, cols = kept.shape
     out = torch.empty(tokens, -(-cols // 8), dtype=torch.uint8, device=kept.device)
     _pack_kernel[_grid(out.numel())](kept, out, out.numel(), cols, out.shape[1], BLOCK=BLOCK)

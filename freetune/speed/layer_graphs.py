@@ -11,8 +11,8 @@ call. torch.compile's own CUDA graphs (mode="reduce-overhead") do not survive a 
   calls `_gradient_checkpointing_func(partial(layer.__call__, **kwargs), hidden_states)`) with `_Checkpoint`, an
   autograd function whose forward runs the layer without autograd and whose backward runs it again with autograd and
   takes the gradients of its input and of its 16-bit LoRA weights (the copies that
-  freetune.kernels.cast_adapters_once_per_forward makes once per forward; their gradients go back to the fp32 weights
-  as before).
+  freetune.speed.lora_kernel.cast_adapters_once_per_forward makes once per forward; their gradients go back to the fp32
+  weights as before).
 - Fixed shapes: the padding-free batch is padded to a multiple of plan.cuda_graph_tokens tokens
   (batching.AlignedPaddingFree with rows of at most max_length tokens, which train nothing); the row boundaries
   (cu_seq_lens) are padded with empty rows to a fixed count and the longest row given as max_length, so one graph
@@ -27,8 +27,8 @@ call. torch.compile's own CUDA graphs (mode="reduce-overhead") do not survive a 
   nothing lives in the pool between two graphs, each graph's inputs and outputs are the buffers above), and every
   later batch of that count replays them, one call per layer and direction. A recording that fails runs its batch
   without graphs, says why, and is tried once more at a later batch.
-- The training runs on a CUDA stream of its own (`callback`), the graphs are recorded on it: cuBLAS keeps a workspace
-  per stream, and a second stream would hold a second one.
+- The training runs on a CUDA stream of its own (freetune.speed.cuda_graphs.callback), the graphs are recorded on it:
+  cuBLAS keeps a workspace per stream, and a second stream would hold a second one.
 
 The same arithmetic as transformers' checkpoint over the same compiled layers: the padding rows' gradients are zero
 (their labels are ignored and attention keeps rows apart), the loss is the same (tests/test_graphed_layers.py compares
@@ -37,16 +37,16 @@ process, every layer checkpointed, compiled layers, fused LoRA layers with their
 dropout (a graph replays the recompute with other random numbers than the forward drew).
 """
 
+
 from __future__ import annotations
 
 import contextlib
 from functools import partial
 
-from freetune import kernels
-from freetune.batching import AlignedPaddingFree, most_rows
 from freetune.distributed import print0
-from freetune.reach.torch import foreach_copy_, free_cublas_workspaces, mark_static, stash, stashed
+from freetune.reach.torch import foreach_copy_, mark_static, stash, stashed
 from freetune.reach.transformers import replace_checkpoint_function
+from freetune.speed import lora_kernel
 
 ROW_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k")  # row boundaries (int32, rows + 1), padded with empty rows
 LENGTH_KEYS = ("max_length_q", "max_length_k")  # longest row: the graphs take max_length, what any row can reach
@@ -58,12 +58,12 @@ def decoder_layers(model) -> list:
 
 
 def lora_pairs(layer) -> list | None:
-    """The 16-bit (A, B) copies of `layer`'s fused LoRA projections this forward (freetune.kernels), flattened in
-    module order; None where a projection has none (its weights are not cast once per forward: not graphed)."""
+    """The 16-bit (A, B) copies of `layer`'s fused LoRA projections this forward (freetune.speed.lora_kernel), flattened
+    in module order; None where a projection has none (its weights are not cast once per forward: not graphed)."""
     pairs = []
     for module in layer.modules():
-        if stashed(module, kernels.FUSED_ATTR, False):
-            cast = stashed(module, kernels.ADAPTER_16BIT_ATTR)
+        if stashed(module, lora_kernel.FUSED_ATTR, False):
+            cast = stashed(module, lora_kernel.ADAPTER_16BIT_ATTR)
             if cast is None:
                 return None
             pairs.extend(cast)
@@ -352,15 +352,15 @@ class GraphedLayers:
     @contextlib.contextmanager
     def _reading(self, i: int, pairs):
         """Layer i's fused projections read `pairs` (this token count's buffers) as their 16-bit LoRA weights."""
-        modules = [m for m in self.layers[i].modules() if stashed(m, kernels.FUSED_ATTR, False)]
-        kept = [stashed(m, kernels.ADAPTER_16BIT_ATTR) for m in modules]
+        modules = [m for m in self.layers[i].modules() if stashed(m, lora_kernel.FUSED_ATTR, False)]
+        kept = [stashed(m, lora_kernel.ADAPTER_16BIT_ATTR) for m in modules]
         for j, module in enumerate(modules):
-            stash(module, kernels.ADAPTER_16BIT_ATTR, (pairs[2 * j], pairs[2 * j + 1]))
+            stash(module, lora_kernel.ADAPTER_16BIT_ATTR, (pairs[2 * j], pairs[2 * j + 1]))
         try:
             yield
         finally:
             for module, cast in zip(modules, kept):
-                stash(module, kernels.ADAPTER_16BIT_ATTR, cast)
+                stash(module, lora_kernel.ADAPTER_16BIT_ATTR, cast)
 
 
 def _same(t):
@@ -410,100 +410,3 @@ def _function():
 
     _FUNCTION["f"] = _Checkpoint
     return _Checkpoint
-
-
-def why_not(model, plan, world_size: int, cast_once: bool) -> str | None:
-    """Why the plan's CUDA graphs cannot be used for this model and run (None: they can). cast_once: the LoRA
-    weights are cast once per forward into the same buffers (kernels.cast_adapters_once_per_forward)."""
-    import torch
-
-    from freetune.choices import graphs_why_not
-    from freetune.memory import ModelShape
-
-    dropouts = [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
-    config = getattr(model, "config", None)
-    try:
-        architecture = graphs_why_not(ModelShape.from_config(config))
-    except (AttributeError, KeyError, TypeError):  # no transformers config with a decoder's shape: nothing to check
-        architecture = ""
-    unfused = unfused_trainable(model)
-    reasons = [
-        (bool(architecture), architecture),
-        (bool(unfused), f"trainable weights outside the fused LoRA layers ({', '.join(unfused[:3])}), which the "
-                        f"graphs would not give gradients to"),
-        (plan.device != "cuda", "no GPU"),
-        (world_size != 1, "more than one process"),
-        (plan.batching != "padding_free", "batches that are not padding-free"),
-        (not decoder_layers(model) or not plan.gradient_checkpointing or plan.checkpoint_every != 1,
-         "not every decoder layer checkpointed"),
-        (not cast_once, "LoRA weights not cast once per forward (fused LoRA layers in one process)"),
-        (bool(dropouts), f"dropout {max(dropouts, default=0):g} (a replayed recompute would draw other numbers)"),
-    ]
-    found = [text for failed, text in reasons if failed]
-    return "; ".join(found) if found else None
-
-
-def unfused_trainable(model) -> list[str]:
-    """Names of the decoder layers' trainable parameters that belong to no fused LoRA layer: the graphs' backward
-    takes the gradients of the layer's input and of its fused layers' LoRA weights only (a mixture of experts' LoRA
-    through peft's ParamWrapper, say, would get none)."""
-    names = []
-    for i, layer in enumerate(decoder_layers(model)):
-        fused = {id(p) for m in layer.modules() if stashed(m, kernels.FUSED_ATTR, False) for p in m.parameters()}
-        names += [f"layer {i} {n}" for n, p in layer.named_parameters() if p.requires_grad and id(p) not in fused]
-    return names
-
-
-def pad_batches(trainer, plan) -> None:
-    """Pad the trainer's padding-free batches to a multiple of plan.cuda_graph_tokens tokens, in rows of at most
-    max_length (batching.AlignedPaddingFree): a few token counts, each recorded once."""
-    collator = trainer.data_collator
-    if not isinstance(collator, AlignedPaddingFree):
-        raise TypeError(f"CUDA graphs need freetune's padding-free collator, not {type(collator).__name__}")
-    collator.multiple, collator.max_row = plan.cuda_graph_tokens, plan.max_length
-
-
-def callback(plan):
-    """A TrainerCallback that installs GraphedLayers when training begins (after the Trainer turned checkpointing on)
-    and removes them when it ends, and runs the training on a CUDA stream of its own meanwhile (module docstring)."""
-    from transformers import TrainerCallback
-
-    class CudaGraphs(TrainerCallback):
-        graphed = stream = None
-
-        def on_train_begin(self, args, state, control, model=None, **kwargs):
-            import torch
-
-            multiple = plan.cuda_graph_tokens
-            max_tokens = -(-plan.micro_batch * plan.max_length // multiple) * multiple
-            self.graphed = GraphedLayers(model, max_tokens=max_tokens, max_row=plan.max_length,
-                                         max_rows=most_rows(plan.micro_batch, multiple, plan.max_length),
-                                         fixed_pairs=True)
-            self.stream = torch.cuda.Stream()
-            self.stream.wait_stream(torch.cuda.current_stream())  # after the model's loading
-            torch.cuda.set_stream(self.stream)
-            # cuBLAS keeps a workspace per stream: the default stream's, made while loading, is not needed now.
-            free_cublas_workspaces()
-            count = self.graphed.install()
-            if count != len(self.graphed.layers):  # a layer the Trainer did not checkpoint keeps its own inputs
-                self.remove()
-                print0(f"CUDA graphs: off ({count} of the decoder layers checkpointed, not all).")
-                return
-            print0(f"CUDA graphs: {count} decoder layers' forward and backward recorded once per token count and "
-                   f"replayed (batches padded to a multiple of {multiple} tokens; freetune.graphed_layers).")
-
-        def on_train_end(self, args, state, control, **kwargs):
-            self.remove()
-
-        def remove(self):
-            import torch
-
-            if self.stream is not None:  # what runs after training (saving, generation) waits for the training
-                torch.cuda.default_stream().wait_stream(self.stream)
-                torch.cuda.set_stream(torch.cuda.default_stream())
-                self.stream = None
-            if self.graphed is not None:
-                self.graphed.remove()
-                self.graphed = None
-
-    return CudaGraphs()

@@ -10,7 +10,9 @@ freetune.trainer.FreetuneTrainer hands it to the Trainer.
 
 from __future__ import annotations
 
+from freetune.distributed import print0
 from freetune.reach.transformers import rank_balanced_sampler_class
+from freetune.speed.feature import Feature
 
 
 def step_rows(order: list[int], lengths: list[int], ranks: int, grad_accum: int) -> list[list[list[int]]]:
@@ -52,3 +54,16 @@ def rank_balanced_sampler(dataset, args, group_by_length: bool = False):
         seed=args.data_seed if args.data_seed is not None else args.seed, drop_last=args.dataloader_drop_last,
         group_by_length=group_by_length)
 
+
+def _applies(plan, trainer) -> tuple[bool, str]:
+    # One process has no ranks to balance: the plan takes this sampler under torchrun only.
+    return plan.sampler == "rank_balanced" and trainer.args.world_size > 1, ""
+
+
+def _install(trainer, plan) -> None:
+    """FreetuneTrainer puts the sampler in (its _get_train_sampler); here it is said."""
+    print0(f"Sampler: each optimizer step's rows are dealt to the {trainer.args.world_size} ranks by length, "
+           f"equal tokens per rank (freetune.speed.sampler.RankBalancedSampler).")
+
+
+FEATURE = Feature("Sampler", _applies, _install)

@@ -1,0 +1,140 @@
+"""Grouped-query causal attention within each row through PyTorch's memory-efficient kernel, as custom ops
+(freetune::varlen_efficient and its backward): the "efficient" and "efficient_copied" backends of
+freetune.speed.attention, for GPUs without FlashAttention-2 (a T4).
+"""
+
+from __future__ import annotations
+
+from freetune.reach.torch import efficient_attention_backward, efficient_attention_forward
+
+# Grouped-query attention through the memory-efficient kernel, which takes equal head counts. Two layouts, checked
+# against sdpa in this order by `varlen_works` (the probe picks the first that agrees on this GPU):
+#   "efficient"         one kernel call per kv head with its q heads: q read as a head-slice view, k and v as a
+#                       stride-0 view repeated for the q heads (no copy); the backward copies only what its kernel
+#                       cannot read strided (the output slice: the kernel takes its row stride as heads x dim; the
+#                       incoming gradient, copied inside the aten op) and sums the repeated heads' gradients straight
+#                       into the kv heads' slices.
+#   "efficient_copied"  the layout before it: up to KV_HEAD_PARTS parts of whole kv heads, k and v repeated into
+#                       copies, q, the gradient and the output copied per part. More launches a step (seven copies per
+#                       part in the backward, docs/performance.md), kept as the proven fallback.
+# Either way a part of the heads at a time, not all at once: all at once, the repeated k and v and their gradients
+# were the largest tensors alive at a 4 GiB card's peak (a memory snapshot on the GPU, docs/performance.md).
+KV_HEAD_PARTS = 4
+
+_EFFICIENT: dict = {}  # "op": the freetune::varlen_efficient custom op, defined once per process
+
+
+def efficient_op():
+    """freetune::varlen_efficient(q, k, v, cu_seq, max_len, scale, strided): causal attention within each row through
+    PyTorch's memory-efficient kernel (aten._efficient_attention_forward / _backward with cumulative row lengths), as a
+    custom op with its own autograd; `strided` picks the "efficient" layout, else "efficient_copied" (above). Why not
+    the aten ops directly: their backward's meta function (torch 2.11 and 2.13) takes its arguments shifted by one ("got
+    multiple values for argument 'scale'"), so a compiled decoder layer that calls them falls back to eager as a whole;
+    a custom op stays one node of the layer's graph, its shapes given here. Grouped-query heads are repeated inside the
+    op, so that only the unrepeated k and v are saved for the backward."""
+    if "op" in _EFFICIENT:
+        return _EFFICIENT["op"]
+    import torch
+
+    # Schemas spelled out: this module's annotations are strings (from __future__ import annotations).
+    @torch.library.custom_op("freetune::varlen_efficient", mutates_args=(),
+                             schema="(Tensor q, Tensor k, Tensor v, Tensor cu, SymInt max_len, float? scale, "
+                                    "bool strided) -> (Tensor, Tensor)")
+    def op(q, k, v, cu, max_len, scale, strided):
+        return _forward_4d(q, k, v, cu, max_len, scale, strided)
+
+    op.register_fake(_forward_4d)  # the forward's own meta function gives the shapes, the logsumexp's included
+    backward_op = torch.library.custom_op(
+        "freetune::varlen_efficient_backward", _backward_4d, mutates_args=(),
+        schema="(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor cu, SymInt max_len, "
+               "float? scale, bool strided) -> (Tensor, Tensor, Tensor)")
+
+    @backward_op.register_fake
+    def _(grad, q, k, v, out, lse, cu, max_len, scale, strided):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, cu, max_len, scale, strided = inputs
+        ctx.save_for_backward(q, k, v, *output, cu)
+        ctx.max_len, ctx.scale, ctx.strided = max_len, scale, strided
+
+    def backward(ctx, grad, _lse_grad):
+        q, k, v, out, lse, cu = ctx.saved_tensors
+        dq, dk, dv = backward_op(grad, q, k, v, out, lse, cu, ctx.max_len, ctx.scale, ctx.strided)
+        return dq, dk, dv, None, None, None, None
+
+    op.register_autograd(backward, setup_context=setup_context)
+    _EFFICIENT["op"] = lambda q, k, v, cu, max_len, scale, strided=True: op(q, k, v, cu, max_len, scale, strided)[0]
+    return _EFFICIENT["op"]
+
+
+def _parts(q, k, strided: bool):
+    """(q heads, kv heads) slices, one kernel call each: all heads at once without grouped-query attention; with
+    it, one kv head per part (strided) or up to KV_HEAD_PARTS parts of whole kv heads."""
+    groups = q.shape[1] // k.shape[1]
+    if groups == 1:
+        return [(slice(None), slice(None))]
+    count = k.shape[1] if strided else max(
+        c for c in range(1, min(KV_HEAD_PARTS, k.shape[1]) + 1) if k.shape[1] % c == 0)
+    per = k.shape[1] // count
+    return [(slice(i * per * groups, (i + 1) * per * groups), slice(i * per, (i + 1) * per)) for i in range(count)]
+
+
+def _repeated(t, groups: int, strided: bool):
+    """k or v (tokens, kv heads, dim) with each head repeated for the `groups` q heads that read it: a stride-0
+    view of one kv head (strided), else a copy."""
+    if groups == 1:
+        return t
+    return t.expand(-1, groups, -1) if strided else t.repeat_interleave(groups, dim=1)
+
+
+def _forward_4d(q, k, v, cu, max_len, scale, strided):
+    import torch
+
+    groups = q.shape[1] // k.shape[1]
+    outs, lses = [], []
+    for qs, ks in _parts(q, k, strided):
+        # q's heads of this part as a view, not a copy: the forward kernel reads the strides it is given (the
+        # own-logits GPU test checks it); every copy is a launch on a launch-bound step.
+        qp, kp, vp = q[:, qs], _repeated(k[:, ks], groups, strided), _repeated(v[:, ks], groups, strided)
+        # (1, tokens, heads, dim), as the kernel takes batches; custom_mask_type 1: causal from each row's start.
+        # The logsumexp is what the backward needs; the dropout seeds are not (no dropout in attention).
+        out, lse = efficient_attention_forward(qp[None], kp[None], vp[None], None, cu, cu, max_len, max_len, 0.0,
+                                               1, True, scale=scale)[:2]
+        outs.append(out[0])
+        lses.append(lse)
+    if len(outs) == 1:
+        return outs[0].clone(), lses[0]  # a custom op's outputs must not be views
+    return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
+
+
+def _backward_4d(grad, q, k, v, out, lse, cu, max_len, scale, strided):
+    """The op's backward: the gradients of q, k and v, a part of the heads at a time as in the forward."""
+    import torch
+
+    unused = torch.empty((), dtype=torch.long)  # dropout's seed and offset, read only when dropout_p > 0
+    grad = grad.contiguous()
+    if q.shape[1] == k.shape[1]:
+        dq, dk, dv, _ = efficient_attention_backward(
+            grad[None], q[None], k[None], v[None], None, out[None], cu, cu, max_len, max_len, lse, 0.0, unused,
+            unused, 1, False, scale=scale)
+        return dq[0].contiguous(), dk[0].contiguous(), dv[0].contiguous()
+    groups = q.shape[1] // k.shape[1]
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    dqs = []
+    for qs, ks in _parts(q, k, strided):
+        kp, vp = _repeated(k[:, ks], groups, strided), _repeated(v[:, ks], groups, strided)
+        # The kernel reads q's strides; the incoming gradient the aten op copies itself; the output's row stride
+        # the kernel takes as heads x dim (o_strideM in PyTorch's kernel_backward.h), so that slice is always
+        # copied. (Views of all three gave wrong gradients on the GPU: gpu_tests_strided_backward_failed.log.)
+        qp, gp, outp, lp = q[:, qs], grad[:, qs], out[:, qs].contiguous(), lse[:, qs]
+        if not strided:
+            qp, gp = qp.contiguous(), gp.contiguous()
+        dqp, dkp, dvp, _ = efficient_attention_backward(
+            gp[None], qp[None], kp[None], vp[None], None, outp[None], cu, cu, max_len, max_len, lp, 0.0, unused,
+            unused, 1, False, scale=scale)
+        dqs.append(dqp[0])
+        # the repeated heads' gradients summed back onto each key/value head, written in place
+        torch.sum(dkp[0].unflatten(1, (-1, groups)), dim=2, out=dk[:, ks])
+        torch.sum(dvp[0].unflatten(1, (-1, groups)), dim=2, out=dv[:, ks])
+    return torch.cat(dqs, dim=1), dk, dv

@@ -1,0 +1,144 @@
+"""The traced MLP (QLoRAMLP): a SwiGLU MLP over three fused 4-bit LoRA layers as one autograd node whose backward
+recomputes gate and up, traced by torch.compile into the decoder layer's graph (freetune.speed.mlp says where the plan
+takes it).
+"""
+
+from __future__ import annotations
+
+from freetune.speed import lora_kernel, mlp_ops, nf4
+
+_TRACED = None  # the QLoRAMLP class, built once, eagerly (as freetune.speed.lora_kernel's QLoRALinear: dynamo cannot
+# trace a class body)
+
+
+def _dequantized(packed, absmax, table, spec, copy: bool = False):
+    """The 16-bit weight; `copy` dequantises from a fresh copy of the fp32 absmax values (or of their table:
+    nf4.quant_args) (x * 1): the traced graph's common-subexpression elimination would otherwise merge the
+    backward's dequantisation (and then its matmuls) with the forward's, and the partitioner would save the
+    forward's gate and up outputs."""
+    if copy and table is None:
+        absmax = absmax * 1.0
+    elif copy:
+        table = table * 1.0
+    return nf4._dequantize(packed, absmax, spec, table)
+
+
+def _masked(t, packed, p: float):
+    """t where dropout kept it (its mask saved as bits), times 1 / (1 - p)."""
+    return t * lora_kernel.unpack_mask(packed, t.shape[-1], t.dtype) * mlp_ops._keep_scale(p)
+
+
+def _project(inp, packed, absmax, table, spec, a, b, s, p: float, hs: list, masks: list):
+    """One projection's forward, x W^T + s (dropout(x) A^T) B^T; its A output and dropout's mask (bits) appended to
+    hs and masks, for the backward."""
+    import torch
+
+    y = torch.nn.functional.linear(inp, _dequantized(packed, absmax, table, spec))
+    kept = None
+    if p > 0.0:
+        dropped, kept = torch.native_dropout(inp, p, True)
+        kept = lora_kernel.pack_mask(kept)
+    else:
+        dropped = inp
+    h = dropped @ a.t()
+    y.addmm_(h, b.t(), alpha=s)
+    hs.append(h)
+    masks.append(kept)
+    return y
+
+
+def _gate_up_grads(x2, d_gate, d_up, saved: tuple, p: float) -> tuple[list, object]:
+    """(the LoRA gradients of gate and up: d A, d B each, the input gradient through both), from d gate and d up.
+    saved: per projection (its A output, its mask, A, B, scaling, packed weight, absmax, table, spec)."""
+    grads, dx = [], None
+    for d, (h, mask, a, b, s, packed, absmax, table, spec) in zip((d_gate, d_up), saved):
+        dh = (d @ b).mul_(s)
+        grads += [dh.t() @ (x2 if mask is None else _masked(x2, mask, p)), (d.t() @ h).mul_(s)]
+        part = nf4.times_dequantized(d, packed, absmax, spec, table)
+        part = part.addmm_(dh, a) if mask is None else part + _masked(dh @ a, mask, p)
+        dx = part if dx is None else dx + part
+    return grads, dx
+
+
+def _traced_function():
+    import torch
+
+    class QLoRAMLP(torch.autograd.Function):
+        """down(silu(gate(x)) * up(x)) over three fused 4-bit LoRA layers as one autograd node, traced into the
+        compiled decoder layer (no op boundary: its elementwise work fuses with the layer's). The forward saves the
+        input, the LoRA-A outputs (tokens x r) and dropout's masks as bits; the backward computes gate
+        and up again (two more 4-bit matmuls, on a GPU that waits for the host anyway) and lets them die into their
+        own gradients, so the wide tensors alive at once are those of one step of the backward, not the forward's
+        gate and up outputs kept beside all of them."""
+
+        @staticmethod
+        def forward(ctx, x, ga, gb, ua, ub, da, db, gw, gabs, gtab, uw, uabs, utab, dw, dabs, dtab, specs, scalings,
+                    p: float):
+            compute = specs[0][3]
+            shape = x.shape
+            x2 = x.reshape(-1, shape[-1]).to(compute)
+            lora = [t.to(compute) for t in (ga, gb, ua, ub, da, db)]
+            hs, masks = [], []
+            g = _project(x2, gw, gabs, gtab, specs[0], lora[0], lora[1], scalings[0], p, hs, masks)
+            u = _project(x2, uw, uabs, utab, specs[1], lora[2], lora[3], scalings[1], p, hs, masks)
+            act = torch.nn.functional.silu(g) * u
+            del g, u
+            out = _project(act, dw, dabs, dtab, specs[2], lora[4], lora[5], scalings[2], p, hs, masks)
+            ctx.save_for_backward(x2, *hs, *masks, gw, gabs, gtab, uw, uabs, utab, dw, dabs, dtab, *lora)
+            ctx.specs, ctx.scalings, ctx.p = specs, scalings, p
+            ctx.x_dtype = x.dtype
+            ctx.lora_dtypes = [t.dtype for t in (ga, gb, ua, ub, da, db)]
+            out = out.reshape(*shape[:-1], out.shape[-1])
+            return out if out.dtype == x.dtype else out.to(x.dtype)
+
+        @staticmethod
+        def backward(ctx, dout):
+            (x2, hg, hu, hd, mg, mu, md, gw, gabs, gtab, uw, uabs, utab, dw, dabs, dtab, ga, gb, ua, ub, da,
+             db) = ctx.saved_tensors
+            specs, (gs, us, ds), p = ctx.specs, ctx.scalings, ctx.p
+            compute = specs[0][3]
+            shape = dout.shape
+            dy = dout.reshape(-1, shape[-1]).to(compute)
+            # gate and up again (their LoRA terms, from the saved A outputs, added by the op below)
+            g = x2 @ _dequantized(gw, gabs, gtab, specs[0], copy=True).t()
+            u = x2 @ _dequantized(uw, uabs, utab, specs[1], copy=True).t()
+            # The down projection's gradients and SwiGLU's, in one op that writes d gate and d up over g and u
+            # (mlp_ops._swiglu_backward_op): traced, the compiler fused and reordered this part into kernels that kept
+            # five or more tokens x intermediate tensors alive at once.
+            dh = (dy @ db).mul_(ds)
+            grad_db = (dy.t() @ hd).mul_(ds)
+            spec = specs[2]
+            grad_da = mlp_ops._swiglu_backward_op()(g, u, hg, gb, hu, ub, dy, dh, dw, dabs, dtab, da, md, spec[0],
+                                                    spec[1], list(spec[2]), spec[3], [gs, us], p)
+            d_gate, d_up = g, u
+            del g, u
+            grads, dx = _gate_up_grads(x2, d_gate, d_up, ((hg, mg, ga, gb, gs, gw, gabs, gtab, specs[0]),
+                                                          (hu, mu, ua, ub, us, uw, uabs, utab, specs[1])), p)
+            grads += [grad_da, grad_db]
+            grads = [g.to(t) for g, t in zip(grads, ctx.lora_dtypes)]
+            dx = dx.reshape(*shape[:-1], dx.shape[-1]).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+            return (dx, *grads, *[None] * 12)
+
+    return QLoRAMLP
+
+
+def traced_mlp(x, projections, dropout_p: float):
+    """down(silu(gate(x)) * up(x)) for three fused LoRA layers (lora_kernel.fused_call_args of gate, up, down), as one
+    autograd.Function that compiled layers trace into their graph."""
+    fn = traced_class()
+    gate, up, down = projections
+    return fn.apply(x, gate["lora_a"], gate["lora_b"], up["lora_a"], up["lora_b"], down["lora_a"], down["lora_b"],
+                    gate["weight"], gate["absmax"], gate["table"], up["weight"], up["absmax"], up["table"],
+                    down["weight"], down["absmax"], down["table"],
+                    (gate["spec"], up["spec"], down["spec"]), (gate["scaling"], up["scaling"], down["scaling"]),
+                    float(dropout_p))
+
+
+def traced_class():
+    """The QLoRAMLP class and the op its backward calls, made once, eagerly (dynamo cannot trace either's making)."""
+    global _TRACED
+    if _TRACED is None:
+        mlp_ops._swiglu_backward_op()
+        nf4._dequantized_mm_op()
+        _TRACED = _traced_function()
+    return _TRACED

@@ -1,0 +1,54 @@
+"""freetune.speed: training installs the speed features the plan chose, in freetune.speed.FEATURES' order, says why
+one the plan chose steps aside, and undoes what it installed when training ends.
+
+One CPU run of the tiny 4-bit model (~25 s of CPU): the fused LoRA layers and the chunked MLP apply on a CPU, the
+CUDA graphs the plan asks for cannot (no GPU) and say so.
+"""
+
+import gc
+import re
+
+import torch
+
+from freetune import speed
+from freetune.speed import lora_kernel
+from test_fast_path import run_paths, varied_rows
+from test_kernels import quantized_lora_model
+
+
+def test_each_feature_module_exposes_one_feature_in_the_listed_order():
+    features = speed.features()
+    assert len(features) == len(speed.FEATURES) == len({f.name for f in features})
+    for module, feature in zip(speed.FEATURES, features):
+        assert feature.install.__module__ == f"freetune.speed.{module}"  # each module installs its own
+
+
+def test_training_installs_the_chosen_features_in_order_says_why_one_steps_aside_and_undoes_them(
+        tiny_model_dir, tmp_path, capsys):
+    import freetune
+    from freetune.preflight import Plan
+
+    plan = Plan(device="cpu", compute_dtype="float32", mixed_precision="no", attn_implementation="sdpa",
+                micro_batch=2, grad_accum=1, gradient_checkpointing=False, batching="padding_free",
+                lora_kernel="fused", mlp_kernel="chunked", cuda_graph_tokens=64, optimizer="adamw_torch")
+    model = quantized_lora_model(tiny_model_dir, torch.float32)
+    paths = run_paths(tmp_path, "speed")
+    config = freetune.train.make_config(paths, plan, max_steps=2, learning_rate=1e-3, max_length=64,
+                                        logging_steps=1, save_steps=100, save_total_limit=2, seed=0)
+    tokenizer = freetune.model.load_tokenizer(str(tiny_model_dir))
+    summary = freetune.train.train(model, tokenizer, varied_rows(), config, plan=plan, paths=paths, resume=False)
+    out = capsys.readouterr().out
+
+    assert summary["steps"] == 2 and summary["last_loss"] == summary["last_loss"]  # trained, loss not NaN
+    lora = re.search(r"^LoRA kernel: fused on (\d+) of \1 LoRA layers \(freetune\.speed\.lora_kernel\); their weights "
+                     r"cast to 16 bits once per forward, all together\.$", out, re.M)
+    graphs = re.search(r"^CUDA graphs: off \((.*)\)\.$", out, re.M)
+    mlp = re.search(r"^MLP kernel: (\d+) of \1 MLPs in chunks of 2048 tokens \(freetune\.speed\.mlp\)\.$", out, re.M)
+    assert lora and graphs and mlp, out
+    assert int(lora.group(1)) > 0 and int(mlp.group(1)) > 0
+    assert "no GPU" in graphs.group(1)
+    assert lora.start() < graphs.start() < mlp.start()  # FEATURES' order
+    assert "Sampler:" not in out and "torch.compile:" not in out  # not chosen: nothing to say
+    # Undone: no cast-once hook or mark left on the model, the garbage collector no longer frozen.
+    assert not lora_kernel.casts_once(model) and not model._forward_pre_hooks
+    assert gc.get_freeze_count() == 0
