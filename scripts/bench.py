@@ -822,7 +822,7 @@ def apply_experiments(experiments: dict, shape: ModelShape, local_rank: int) -> 
         freetune.kernels.triton_for = lambda t: None
     # The backward's input gradients d W written into the compiled graphs, not through freetune::dequantized_mm
     # (fewer op calls; inductor places the dequantisation, which the op exists to prevent: watch the peak; the
-    # tenth session's result is in docs/performance.md)
+    # tenth session's result is in docs/history.md)
     if experiments.get("inline_dgrad"):
         import freetune.kernels
 
