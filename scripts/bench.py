@@ -59,7 +59,7 @@ from pathlib import Path
 if not __package__:  # run as a file (python scripts/bench.py): its sibling modules by the package's name
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from freetune.fixtures import QWEN_PADDED_VOCAB
-from freetune.memory import KNOWN_SHAPES, ModelShape
+from freetune.memory import ALLOCATOR_SLACK, CUDA_CONTEXT_GIB, KNOWN_SHAPES, ModelShape
 from scripts.gc_pauses import GcPauses
 
 REPO = Path(__file__).resolve().parents[1]
@@ -695,6 +695,7 @@ def measurements(job: dict, shape: ModelShape, plan, config, history: list[dict]
         "frozen_dtype": plan.frozen_dtype, "offload_activations": plan.offload_activations,
         "max_micro_batch_tokens": most_tokens,
         "budget_gib": job.get("budget_gib") or job["cap_gib"] or None, "matched_to": job.get("matched_to"),
+        "peak_target_gib": job.get("peak_target_gib"),
         # The plan's estimate of this run's peak (every row at max_length), and re-made at the largest micro-batch
         # this run really saw: how far the memory model is from the measured peak.
         "estimate_gib": round(plan.memory.peak_allocated_gib, 3) if plan.memory is not None else None,
@@ -1045,8 +1046,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "150,500)")
     parser.add_argument("--match-peer-memory", action="store_true",
                         help="one more freetune run per mode, freetune[matched], planned (make_plan's "
-                             "memory_budget_gib) for the peak of the fastest Unsloth run that fit in this call + 5%% "
-                             "(issue 49's memory target), under the mode's cap; needs an Unsloth run in --runs")
+                             "memory_budget_gib) for a peak allocated of the fastest Unsloth run that fit in this "
+                             "call + 5%% (issue 49's memory target), under the mode's cap; needs an Unsloth run in "
+                             "--runs")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.row_lengths:
@@ -1293,14 +1295,18 @@ class Schedule:
 
 def matched_job(job: dict, report: dict) -> dict:
     """freetune[matched]'s job with its budget: the peak allocated of the fastest Unsloth run of its mode that fit,
-    measured earlier in this call, + PEER_MEMORY_MARGIN; or a failed record saying there is none to match."""
+    measured earlier in this call, + PEER_MEMORY_MARGIN; or a failed record saying there is none to match. make_plan's
+    budget is the card's memory (its estimate's total: allocated x ALLOCATOR_SLACK + the CUDA context), the peer's
+    figure is allocated memory: the budget is the total whose allocated part is the target (given the allocated
+    target itself, the plan sized 2 x 1,024 tokens where 8 x 1,024 fit, issue 49's first call)."""
     by_key = {(r["mode"], r["run"], r.get("world_size")): r for r in report["runs"] if "tokens_per_s" in r}
     peer = fastest_peer(by_key, job["mode"])
     if peer is None or not peer.get("peak_allocated_gib"):
         return {k: job[k] for k in ("mode", "run", "world")} | {
             "failed": "no Unsloth run of this mode fitted before it (nothing to match the memory of)"}
-    budget = round(peer["peak_allocated_gib"] * (1 + PEER_MEMORY_MARGIN), 3)
-    return {**job, "budget_gib": budget, "matched_to": peer["run"]}
+    target = round(peer["peak_allocated_gib"] * (1 + PEER_MEMORY_MARGIN), 3)
+    budget = round(target * ALLOCATOR_SLACK + CUDA_CONTEXT_GIB, 3)
+    return {**job, "budget_gib": budget, "peak_target_gib": target, "matched_to": peer["run"]}
 
 
 def in_rounds(jobs: list[dict], rounds: int) -> list[dict]:

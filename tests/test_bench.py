@@ -391,17 +391,29 @@ def test_the_memory_matched_run_is_planned_for_the_peers_peak_measured_before_it
     report = {"runs": [_run("t4", "unsloth", 20_000.0, 2.07), _run("t4", "unsloth_nockpt", 25_000.0, 13.0),
                        {"mode": "t4", "run": "unsloth_padded", "world": 1, "failed": "out of memory"}]}
     matched = bench.matched_job(job, report)
-    assert matched["matched_to"] == "unsloth_nockpt" and matched["budget_gib"] == round(13.0 * 1.05, 3)
+    assert matched["matched_to"] == "unsloth_nockpt" and matched["peak_target_gib"] == round(13.0 * 1.05, 3)
     report["runs"].pop(1)  # only the offloaded run fitted
     matched = bench.matched_job(job, report)
-    assert matched["matched_to"] == "unsloth" and matched["budget_gib"] == round(2.07 * 1.05, 3)
+    assert matched["matched_to"] == "unsloth" and matched["peak_target_gib"] == round(2.07 * 1.05, 3)
+    # make_plan's budget is the card's (its estimate's total, the CUDA context and the allocator's slack included):
+    # the total whose allocated part is the peer's peak + 5%
+    assert matched["budget_gib"] == round(matched["peak_target_gib"] * 1.10 + 0.45, 3)
     assert "nothing to match" in bench.matched_job({**job, "mode": "4gb"}, report)["failed"]
     shape = bench.shape_of("qwen2.5-1.5b")
     default, _ = bench.job_plan({**job, "match_peer": False}, shape, tmp_path)
     plan, _ = bench.job_plan(matched, shape, tmp_path)
     assert default.memory.budget_gib == 14.5 and plan.memory.budget_gib == matched["budget_gib"]
-    assert plan.memory.peak_allocated_gib <= matched["budget_gib"] < default.memory.peak_allocated_gib
-    assert plan.micro_batch < default.micro_batch
+    assert plan.memory.total_gib <= matched["budget_gib"] < default.memory.total_gib
+    # On a GPU (described, this machine has none) that budget plans 8 x 1,024 tokens, every layer checkpointed and
+    # offloaded, with an estimated peak allocated under the target
+    from freetune.preflight import GPU, Hardware, make_plan
+
+    h200 = Hardware(gpus=[GPU("NVIDIA H200", (9, 0), 139.8)], arch_list=["sm_75", "sm_80", "sm_90"],
+                    bf16_supported=True, torch="2.11.0", cuda="13.0", ram_total_gib=128.0, ram_available_gib=120.0)
+    on_gpu = make_plan(h200, model_shape=shape, max_length=1024, micro_batch=None, grad_accum=8, lora_rank=16,
+                       precision="fp16", memory_budget_gib=matched["budget_gib"], lora_dropout=0.05)
+    assert on_gpu.memory.peak_allocated_gib <= matched["peak_target_gib"] < on_gpu.memory.total_gib
+    assert (on_gpu.micro_batch, on_gpu.checkpoint_every, on_gpu.offload_activations) == (8, 1, True)
 
 
 def test_the_row_length_option_and_the_8b_mode_set_the_rows_and_bad_values_are_refused_before_any_work():
