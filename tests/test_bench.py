@@ -219,7 +219,10 @@ def test_the_table_compares_freetune_with_the_fastest_unsloth_run_that_fits_and_
     met = [(t["mode"], t["target"].split(":")[0], t["met"]) for t in report["targets"]]
     assert met == [("4gb", ">= 1.3x Unsloth (offloaded), peak <=", True),  # 1.39x at 1.40 <= 1.55 GiB
                    ("4gb", "like for like, >= 1.3x Unsloth (offloaded), peak <=", False),  # 1.32x at 1.6 > 1.55
+                   # issue 49: against the fastest that fits, at its peak + 5%: 1.6 <= 1.55 x 1.05
+                   ("4gb", "issue 49", True), ("4gb", "issue 49", True),
                    ("t4", ">= 1.3x the fastest Unsloth that fits", False),  # 1.04x
+                   ("t4", "issue 49", False),  # 1.04x, at 4.32 <= 13.0 GiB
                    ("uncapped", ">= 1.8x the fastest Unsloth that fits", False),  # 1.79x
                    # each lean variant on its own: lean1 1.38x at 2.0 <= 2.07 GiB; lean2 is fast but not lean
                    ("uncapped", "lean point", True), ("uncapped", "lean point", False)], report["targets"]
@@ -371,6 +374,46 @@ def test_the_svg_sample_rows_are_svg_coders_chats_and_the_plan_is_sized_from_the
                           capture_output=True, text=True, timeout=120, cwd=REPO)
     assert done.returncode != 0 and "not mode 4gb" in done.stderr, done.stderr[-2000:]
     assert not (tmp_path / "out.json").exists() and not (tmp_path / "work" / "model-TinyLlama-1.1B").exists()
+
+
+def test_the_memory_matched_run_is_planned_for_the_peers_peak_measured_before_it(tmp_path):
+    """Issue 49: --match-peer-memory adds freetune[matched] after the peer's runs; at launch its budget becomes the
+    fastest fitting Unsloth run's peak + 5%, which make_plan sizes the run for (under the mode's cap); without a peer
+    that fitted it is a failed record that says so, and without a peer in --runs argparse refuses it."""
+    bench = load_bench()
+    args = bench.parse_args(["--modes", "t4", "--runs", "freetune,unsloth", "--match-peer-memory"])
+    assert args.match_peer_memory
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--runs", "freetune",
+                           "--match-peer-memory"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 2 and "add one of unsloth, unsloth_nockpt, unsloth_padded to --runs" in done.stderr
+    job = dict(mode="t4", run=bench.MATCHED, world=1, shape="qwen2.5-1.5b", cap_gib=14.5, precision="fp16",
+               max_length=1024, lora_dropout=0.05, overrides={}, match_peer=True)
+    report = {"runs": [_run("t4", "unsloth", 20_000.0, 2.07), _run("t4", "unsloth_nockpt", 25_000.0, 13.0),
+                       {"mode": "t4", "run": "unsloth_padded", "world": 1, "failed": "out of memory"}]}
+    matched = bench.matched_job(job, report)
+    assert matched["matched_to"] == "unsloth_nockpt" and matched["peak_target_gib"] == round(13.0 * 1.05, 3)
+    report["runs"].pop(1)  # only the offloaded run fitted
+    matched = bench.matched_job(job, report)
+    assert matched["matched_to"] == "unsloth" and matched["peak_target_gib"] == round(2.07 * 1.05, 3)
+    # make_plan's budget is the card's (its estimate's total, the CUDA context and the allocator's slack included):
+    # the total whose allocated part is the peer's peak + 5%
+    assert matched["budget_gib"] == round(matched["peak_target_gib"] * 1.10 + 0.45, 3)
+    assert "nothing to match" in bench.matched_job({**job, "mode": "4gb"}, report)["failed"]
+    shape = bench.shape_of("qwen2.5-1.5b")
+    default, _ = bench.job_plan({**job, "match_peer": False}, shape, tmp_path)
+    plan, _ = bench.job_plan(matched, shape, tmp_path)
+    assert default.memory.budget_gib == 14.5 and plan.memory.budget_gib == matched["budget_gib"]
+    assert plan.memory.total_gib <= matched["budget_gib"] < default.memory.total_gib
+    # On a GPU (described, this machine has none) that budget plans 8 x 1,024 tokens, every layer checkpointed and
+    # offloaded, with an estimated peak allocated under the target
+    from freetune.preflight import GPU, Hardware, make_plan
+
+    h200 = Hardware(gpus=[GPU("NVIDIA H200", (9, 0), 139.8)], arch_list=["sm_75", "sm_80", "sm_90"],
+                    bf16_supported=True, torch="2.11.0", cuda="13.0", ram_total_gib=128.0, ram_available_gib=120.0)
+    on_gpu = make_plan(h200, model_shape=shape, max_length=1024, micro_batch=None, grad_accum=8, lora_rank=16,
+                       precision="fp16", memory_budget_gib=matched["budget_gib"], lora_dropout=0.05)
+    assert on_gpu.memory.peak_allocated_gib <= matched["peak_target_gib"] < on_gpu.memory.total_gib
+    assert (on_gpu.micro_batch, on_gpu.checkpoint_every, on_gpu.offload_activations) == (8, 1, True)
 
 
 def test_the_row_length_option_and_the_8b_mode_set_the_rows_and_bad_values_are_refused_before_any_work():
