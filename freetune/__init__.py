@@ -4,8 +4,8 @@ Modules, in the order a recipe uses them:
   console      what the notebook shows: errors as messages, no library progress bars, one duration format
   params       check the parameters cell's values against their declared types
   platform     Colab / Kaggle / local differences as one table (paths, secrets, install)
-  preflight    the machine check and the training plan (dtype, precision, attention, layout, batch), decided in
-               short steps by choices (every choose_*: value and reason); for_world re-decides it for a torchrun job
+  plan         the machine check and the training plan (dtype, precision, attention, layout, batch), decided in
+               short steps (every choose_*: a Decision, value and reason); for_world re-decides it for a torchrun job
   data         load and normalise training data (messages, ShareGPT, prompt/completion, Alpaca, column mapping)
   templates    named chat templates for base models (chatml, llama3, zephyr) and their Ollama twins
   audit        find junk rows before training, and clean them
@@ -49,7 +49,7 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
 logging.getLogger("transformers.trainer_utils").addFilter(
     lambda record: not str(record.msg).startswith("The tokenizer has new PAD/BOS/EOS tokens"))
 
-_SUBMODULES = {"params", "platform", "preflight", "choices", "memory", "data", "audit", "model", "train", "trainer",
+_SUBMODULES = {"params", "platform", "plan", "data", "audit", "model", "train", "trainer",
                "overrides", "distributed", "launch", "checkpoint", "sanity", "tasks", "export", "secrets", "fixtures",
                "templates", "tracking", "chat", "resources"}
 

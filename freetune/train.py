@@ -24,14 +24,13 @@ from pathlib import Path
 from freetune import checkpoint, fast, fused_mlp, graphed_layers, host_embeddings, kernels, tracking
 from freetune import params as param_rules  # not `params`: make_config takes a recipe's parameters under that name
 from freetune.batching import PAD_TO
-from freetune.choices import choose_optimizer
+from freetune.plan.sizing import choose_optimizer
 from freetune.console import duration
 from freetune.distributed import COLLECTIVE_TIMEOUT_S, check_replicas_agree, context, print0
 from freetune.errors import FreetuneError
-from freetune.memory import keeps_8bit_absmax
 from freetune.model import adapter_dtype_guard
 from freetune.platform import Paths
-from freetune.preflight import Plan
+from freetune.plan import Plan
 from freetune.reach import transformers as transformers_reach
 from freetune.reach import trl as trl_reach
 from freetune.reach.transformers import NonFiniteGuard
@@ -145,12 +144,12 @@ def _sft_config(paths: Paths, plan: Plan, *, max_steps: int, learning_rate: floa
 
 
 def _optimizer(plan: Plan, optimizer: str) -> str:
-    """The Trainer's optim: the plan's for "auto" (freetune.choices.choose_optimizer); one that runs on a CPU there."""
+    """The Trainer's optim: the plan's for "auto" (freetune.plan.sizing.choose_optimizer); one that runs on a CPU there."""
     if optimizer == "auto":
         optimizer = plan.optimizer
     if plan.device == "cpu":
         asked = optimizer
-        optimizer, _ = choose_optimizer(optimizer, plan.device, None, None, 0, "all-linear")
+        optimizer = choose_optimizer(optimizer, plan.device, None, None, 0, "all-linear").value
         if optimizer != asked:  # bitsandbytes' paged/8-bit optimisers need CUDA
             print0(f"Optimizer {asked} needs a GPU: using {optimizer} on the CPU.")
     return optimizer
@@ -383,7 +382,7 @@ def _speed_up(trainer, plan: Plan) -> list:
                f"equal tokens per rank (freetune.sampler.RankBalancedSampler).")
     if plan.lora_kernel == "fused":
         fused, seen = kernels.use_fused_lora(
-            trainer.model, keep_8bit_absmax=keeps_8bit_absmax(plan.lora_kernel, plan.compile, plan.mlp_kernel))
+            trainer.model, keep_8bit_absmax=plan.keep_8bit_absmax)
         once = trainer.args.world_size == 1 and kernels.cast_adapters_once_per_forward(
             trainer.model, same_buffers=bool(plan.cuda_graph_tokens))  # graphs read them at fixed addresses
         if once:

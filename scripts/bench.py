@@ -59,7 +59,7 @@ from pathlib import Path
 if not __package__:  # run as a file (python scripts/bench.py): its sibling modules by the package's name
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from freetune.fixtures import QWEN_PADDED_VOCAB
-from freetune.memory import KNOWN_SHAPES, ModelShape
+from freetune.plan import KNOWN_SHAPES, ModelShape
 from scripts.gc_pauses import GcPauses
 
 REPO = Path(__file__).resolve().parents[1]
@@ -533,7 +533,7 @@ def fresh_run_folder(run_dir: Path, ctx):
 
 def job_plan(job: dict, shape: ModelShape, run_dir: Path):
     """The plan this job's run follows, and the --variants experiments it asks for (not plan fields)."""
-    from freetune.preflight import make_plan, read_hardware
+    from freetune.plan import make_plan, read_hardware
 
     hardware = read_hardware(str(run_dir), str(run_dir))
     budget = job["cap_gib"] or None
@@ -728,7 +728,7 @@ def host_and_memory(timer, cuda: bool) -> dict:
 
 def seen_estimate(plan, shape: ModelShape, tokens: int) -> float | None:
     """freetune.memory.estimate with the plan's settings at `tokens` tokens in one micro-batch."""
-    from freetune.memory import estimate
+    from freetune.plan import estimate
 
     if plan.memory is None or not tokens:
         return None

@@ -27,7 +27,7 @@ def main() -> None:
 
     import freetune
     from freetune import kernels
-    from freetune.preflight import make_plan
+    from freetune.plan import make_plan
 
     ctx = freetune.distributed.init(timeout_s=60)
     plan = make_plan(micro_batch=1, grad_accum=1)

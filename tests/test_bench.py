@@ -340,7 +340,7 @@ def test_the_svg_sample_rows_are_svg_coders_chats_and_the_plan_is_sized_from_the
     """--rows svg_sample: the memory estimate against the peak on the rows the embedded default trains on. The rows
     are the bundled sample as svg_coder renders it, and the plan is the one its replan makes for the longest."""
     import freetune
-    from freetune.memory import KNOWN_SHAPES
+    from freetune.plan import KNOWN_SHAPES
 
     bench = load_bench()
     rows = bench.svg_sample_rows()

@@ -45,7 +45,7 @@ def test_padding_free_path_matches_the_plain_loss_and_computes_no_padding(tiny_m
     from freetune import batching
     from freetune.reach import trl as trl_reach
     from freetune.model import adapter_dtype_guard
-    from freetune.preflight import Plan
+    from freetune.plan import Plan
 
     steps, micro, accum = 4, 4, 2
 
@@ -118,8 +118,8 @@ def test_padding_free_path_matches_the_plain_loss_and_computes_no_padding(tiny_m
 
 def test_the_plan_chooses_the_fast_path_and_says_why(monkeypatch):
     from freetune import fast
-    from freetune.memory import KNOWN_SHAPES
-    from freetune.preflight import GPU, Hardware, make_plan
+    from freetune.plan import KNOWN_SHAPES
+    from freetune.plan import GPU, Hardware, make_plan
 
     def machine(name, capability, memory_gib, bf16):
         return Hardware(gpus=[GPU(name, capability, memory_gib)], arch_list=["sm_75", "sm_80", "sm_90"],
@@ -273,7 +273,7 @@ def test_a_4bit_models_fp32_queries_run_the_16bit_kernel_under_mixed_precision(t
 
     import freetune
     from freetune import fast
-    from freetune.preflight import Plan
+    from freetune.plan import Plan
 
     plan = Plan(device="cpu", compute_dtype="bfloat16", mixed_precision="bf16",
                 attn_implementation=fast.VARLEN_ATTENTION, micro_batch=1, grad_accum=1, gradient_checkpointing=False)
@@ -309,7 +309,7 @@ def test_a_4bit_models_fp32_queries_run_the_16bit_kernel_under_mixed_precision(t
 def test_the_config_keeps_the_host_from_waiting_for_the_gpu_each_micro_batch(tmp_path):
     """On a GPU the batch is copied from pinned memory without a wait, and no micro-batch's loss is read on the host
     (the Trainer's NaN filter); on a CPU there is nothing to pin or wait for."""
-    from freetune.preflight import Plan
+    from freetune.plan import Plan
     from freetune.train import make_config
 
     paths = run_paths(tmp_path, "cfg")
@@ -331,7 +331,7 @@ def _padding_free_vs_alone(model_dir, device: str, backend: str):
 
     import freetune
     from freetune import fast
-    from freetune.preflight import Plan
+    from freetune.plan import Plan
 
     cuda = device == "cuda"
     dtype = {"flash": "bfloat16", "efficient": "float16", "efficient_copied": "float16"}.get(backend, "float32")

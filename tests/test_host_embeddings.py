@@ -8,7 +8,7 @@ import torch
 from freetune import host_embeddings
 from freetune.fixtures import cached_tiny_model
 from freetune.model import attach_lora, load_base_model
-from freetune.preflight import Hardware, make_plan
+from freetune.plan import Hardware, make_plan
 
 
 def _loss_and_grads(model, ids):

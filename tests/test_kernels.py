@@ -10,7 +10,7 @@ import torch
 
 from freetune import kernels
 from freetune.errors import FreetuneError
-from freetune.preflight import GPU, Hardware, make_plan
+from freetune.plan import GPU, Hardware, make_plan
 
 
 def quantized_lora_model(model_dir, dtype, dropout=0.0, **lora):
@@ -139,7 +139,7 @@ def test_the_fused_layers_keep_fp32_absmax_values_instead_of_8bit_ones_as_the_me
     and gives what it gave before, and the bytes are what freetune.memory.estimate counts for lora_kernel "fused"."""
     from peft.tuners.lora import LoraLayer
 
-    from freetune.memory import ModelShape, estimate
+    from freetune.plan import ModelShape, estimate
 
     model = quantized_lora_model(tiny_model_dir, torch.float32)
     layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
@@ -178,7 +178,7 @@ def test_layers_that_will_be_compiled_keep_the_8bit_absmax_values(tiny_model_dir
     values, and its eager forward and backward equal the fp32 copy's."""
     from peft.tuners.lora import LoraLayer
 
-    from freetune.memory import keeps_8bit_absmax
+    from freetune.plan.memory import keeps_8bit_absmax
 
     assert keeps_8bit_absmax("fused", True, "traced") and keeps_8bit_absmax("fused", True, "layers")
     assert not keeps_8bit_absmax("fused", False, "layers") and not keeps_8bit_absmax("fused", True, "chunked")
