@@ -300,3 +300,19 @@ def test_input_embeddings_go_to_host_ram_only_where_memory_is_tight_and_the_head
     assert two.layout == "ddp" and not two.embeddings_on_host
     cpu = make_plan(Hardware(ram_total_gib=16.0, ram_available_gib=12.0), model_shape=shape)
     assert not cpu.embeddings_on_host
+
+
+def test_the_plan_decides_once_whether_the_fused_layers_keep_8bit_absmax():
+    assert make_plan(T4, model_shape="qwen2.5-1.5b").keep_8bit_absmax  # fused, compiled, per-projection MLP
+    chunked = make_plan(T4, model_shape="qwen2.5-1.5b", max_length=32768, memory_budget_gib=4.0)
+    assert chunked.mlp_kernel == "chunked" and not chunked.keep_8bit_absmax  # the chunked op reads fp32 values
+    assert not make_plan(Hardware(ram_total_gib=16.0, ram_available_gib=12.0), model_shape="qwen2.5-1.5b").keep_8bit_absmax
+
+
+def test_planning_loads_no_run_time_module_until_it_probes_a_gpus_attention_kernel():
+    code = ("import sys; from freetune.plan import Hardware, make_plan; "
+            "make_plan(Hardware(ram_total_gib=16.0, ram_available_gib=12.0), model_shape='qwen2.5-1.5b'); "
+            "print(sorted(m for m in sys.modules if m in ('freetune.fast', 'freetune.kernels', 'freetune.fused_mlp', "
+            "'freetune.train', 'freetune.trainer', 'freetune.model')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

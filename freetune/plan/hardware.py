@@ -20,6 +20,8 @@ from freetune.plan.memory import GIB
 # What to pick instead of a GPU the installed PyTorch cannot run, where people meet one (Kaggle's P100).
 SUPPORTED_GPU_ADVICE = ('on Kaggle, Settings -> Accelerator -> "GPU T4 x2"; '
                         'on Colab, Runtime -> Change runtime type -> T4 GPU')
+# Below these, a run has no room for checkpoints, or for the merged 16-bit model at export.
+MIN_FREE_DISK_GIB = 2.0
 
 
 @dataclass(frozen=True)
@@ -229,3 +231,13 @@ def this_gpu() -> int:
     import torch
 
     return torch.cuda.current_device() if torch.cuda.is_available() else 0
+
+
+def disk_warnings(hardware: Hardware, shape) -> list[str]:
+    """Folders without room for checkpoints and the merged 16-bit export of `shape` (a ModelShape or None)."""
+    # Checkpoints are small (the adapter and its optimizer state); the merged export writes the whole model in
+    # 16 bits, which is what needs the room.
+    need = MIN_FREE_DISK_GIB + (shape.total_params * 2 / GIB if shape is not None else 0)
+    return [f"only {free:.1f} GiB free in {folder}: checkpoints and the merged 16-bit export need ~{need:.1f} GiB. "
+            f"Free some space or point output_dir elsewhere"
+            for folder, free in hardware.disk_free_gib.items() if free < need]

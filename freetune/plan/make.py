@@ -14,16 +14,14 @@ from freetune.plan.decisions import (Decision, choose_attention, choose_batching
                                      choose_lora_dtype, choose_lora_kernel, choose_mixed_precision, choose_policy,
                                      choose_sampler, choose_shape, needs_varlen_probe, resolve_policy,
                                      varlen_attention, world_size)
-from freetune.plan.hardware import Hardware, check_gpus_supported, probe_varlen, read_hardware
-from freetune.plan.memory import GIB, MemoryEstimate, fit, keeps_8bit_absmax
+from freetune.plan.hardware import Hardware, check_gpus_supported, disk_warnings, probe_varlen, read_hardware
+from freetune.plan.memory import MemoryEstimate, fit, keeps_8bit_absmax
 from freetune.plan.record import Plan
 from freetune.plan.shapes import ModelShape
 from freetune.plan.sizing import (GRAPHS_LOSS_TILE, GRAPHS_OPTIMIZER, MemorySettings, choose_checkpoint_every,
                                   choose_cuda_graphs, choose_embeddings, choose_loss_tile, choose_mlp_kernel,
                                   choose_offload, choose_optimizer, graph_tokens, sharded)
 
-# Below these, a run has no room for checkpoints, or for the merged 16-bit model at export.
-MIN_FREE_DISK_GIB = 2.0
 # The shortest rows a plan lowers max_length to before it calls a model too big (memory.fit's min_length).
 SHORTEST_ROWS = 256
 
@@ -155,7 +153,7 @@ def make_plan(hardware: Hardware | None = None, *, model_shape: ModelShape | str
         draft.batch = Decision(draft.batch.value, "as given" if micro_batch else
                                "1 (no model shape to size it against: give model_shape to let the plan choose)")
     _batching_step(draft, sizing)
-    draft.warnings += _disk_warnings(hardware, shape)
+    draft.warnings += disk_warnings(hardware, shape)
     _kernels_step(draft, compile)  # for the final layout
     return _build(draft, sizing, asked_for)
 
@@ -421,11 +419,3 @@ def for_world(plan: Plan, processes: int, hosts: int = 1) -> Plan:
     reasons["sampler"] = sampler.why
     return replace(plan, reasons=reasons, sampler=sampler.value, **changed)
 
-
-def _disk_warnings(hardware: Hardware, shape: ModelShape | None) -> list[str]:
-    # Checkpoints are small (the adapter and its optimizer state); the merged export writes the whole model in
-    # 16 bits, which is what needs the room.
-    need = MIN_FREE_DISK_GIB + (shape.total_params * 2 / GIB if shape is not None else 0)
-    return [f"only {free:.1f} GiB free in {folder}: checkpoints and the merged 16-bit export need ~{need:.1f} GiB. "
-            f"Free some space or point output_dir elsewhere"
-            for folder, free in hardware.disk_free_gib.items() if free < need]

@@ -160,14 +160,14 @@ def mlp_chunk_bytes(shape: ModelShape, compute_dtype: str = "bfloat16", mlp_kern
     chunk-sized intermediate tensors (MLP_CHUNK_BUFFERS of CHUNK_TOKENS x intermediate) and the three dequantised
     weights; the traced function, TRACED_MLP_CHUNK_BUFFERS chunks (the activation and its gradient) and the down
     projection's dequantised weight (its per-token part is in activation_bytes_per_token). 0 for the per-projection MLP."""
-    from freetune.fused_mlp import CHUNK_TOKENS
+    if mlp_kernel not in ("chunked", "traced"):
+        return 0.0
+    from freetune.fused_mlp import CHUNK_TOKENS  # only where the plan runs the fused MLP: it loads the kernels
 
     width = 2 if _is_16bit(compute_dtype) else 4
     if mlp_kernel == "chunked":
         return (MLP_CHUNK_BUFFERS * CHUNK_TOKENS + 3 * shape.hidden) * shape.intermediate * width
-    if mlp_kernel == "traced":
-        return (TRACED_MLP_CHUNK_BUFFERS * CHUNK_TOKENS + shape.hidden) * shape.intermediate * width
-    return 0.0
+    return (TRACED_MLP_CHUNK_BUFFERS * CHUNK_TOKENS + shape.hidden) * shape.intermediate * width
 
 
 def activation_bytes_per_token(shape: ModelShape, *, lora_rank: int, lora_targets="all-linear",

@@ -1,5 +1,5 @@
-"""The training plan as one record: every decision's value, its reason (the table a notebook shows), its warnings and the
-memory estimate it was sized with. freetune.plan.make builds it; the run reads it and never re-asks the planner."""
+"""The training plan as one record: every decision's value, its reason (the table a notebook shows), its warnings and
+the memory estimate it was sized with. freetune.plan.make builds it; the run reads it and never re-asks the planner."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ from dataclasses import asdict, dataclass, field
 from freetune.plan.memory import MemoryEstimate
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
+    """The plan, frozen: make_plan, replan and for_world return a new one; nothing changes one in place."""
+
     device: str                 # "cuda" or "cpu"
     compute_dtype: str          # "float16" | "bfloat16" | "float32": 4-bit matmuls and non-quantised weights
     mixed_precision: str        # "fp16" | "bf16" | "no": the Trainer's autocast mode
@@ -51,7 +53,7 @@ class Plan:
 
     def __post_init__(self):
         if self.layout is None:
-            self.layout = "cpu" if self.device == "cpu" else "single"
+            object.__setattr__(self, "layout", "cpu" if self.device == "cpu" else "single")
 
     @property
     def torch_dtype(self):
