@@ -557,6 +557,9 @@ def job_plan(job: dict, shape: ModelShape, run_dir: Path):
                        reasons={**plan.reasons, "batching": f"{job['batching']}, as --tiny asks"})
     overrides = dict(job.get("overrides") or {})
     experiments = {k: overrides.pop(k) for k in EXPERIMENTS if k in overrides}
+    # fp32_absmax: the fused layers' fp32 absmax copy even where compiled layers decode 8-bit, as a plan variant.
+    if experiments.pop("fp32_absmax", False):
+        overrides["keep_8bit_absmax"] = False
     if overrides:  # a --variants run: freetune's plan with some choices changed
         plan = replace(plan, **overrides, reasons={**plan.reasons, **{k: "as --variants asks" for k in overrides}})
     return plan, experiments
@@ -742,7 +745,7 @@ def seen_estimate(plan, shape: ModelShape, tokens: int) -> float | None:
 
 def apply_experiments(experiments: dict, shape: ModelShape, local_rank: int) -> None:
     """The experiments a --variants run asks for that change freetune's path itself (before the model loads):
-    cpp_wrapper, combo_kernels, dense_head, no_packed_check, pin_cores, byte_masks, fp32_absmax, per_layer_casts,
+    cpp_wrapper, combo_kernels, dense_head, no_packed_check, pin_cores, byte_masks, per_layer_casts,
     copied_heads, trl_empty_cache, no_triton, inline_dgrad, skip_guards, no_asserts, gc_unfrozen, liger. A GPU worker
     process runs one configuration, so what they patch is patched for it only (a --tiny run without --spawn runs every
     job in one process: its patches stay for the runs after it)."""
@@ -792,10 +795,6 @@ def apply_experiments(experiments: dict, shape: ModelShape, local_rank: int) -> 
         import freetune.kernels
 
         freetune.kernels.pack_mask = lambda kept: kept  # the backward unpacks only uint8 masks
-    if experiments.get("fp32_absmax"):  # the fused layers' fp32 absmax copy even where compiled layers decode 8-bit
-        import freetune.train
-
-        freetune.train.keeps_8bit_absmax = lambda *args: False
     # The two launch savings of the eighth session, undone to measure them in the same call:
     if experiments.get("per_layer_casts"):  # each fused layer casts its own LoRA weights (no once-per-forward cast)
         import freetune.kernels
