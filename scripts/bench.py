@@ -730,7 +730,7 @@ def host_and_memory(timer, cuda: bool) -> dict:
 
 
 def seen_estimate(plan, shape: ModelShape, tokens: int) -> float | None:
-    """freetune.memory.estimate with the plan's settings at `tokens` tokens in one micro-batch."""
+    """freetune.plan.memory.estimate with the plan's settings at `tokens` tokens in one micro-batch."""
     from freetune.plan import estimate
 
     if plan.memory is None or not tokens:

@@ -14,11 +14,11 @@ Checks, each in its own process (a memory cap or a peak statistic never leaks in
   tiny_4gb   TinyLlama-1.1B's shape (public config, random weights, built here) under a 4 GiB cap
              (torch.cuda.set_per_process_memory_fraction): LoRA r8, batch 1 x accumulation 8, paged 8-bit AdamW,
              gradient checkpointing (use_reentrant=False), max_grad_norm 0.3, rows of 300-1,024 tokens. Peak
-             allocated memory must stay below 3.75 GiB; freetune.memory's estimate is printed beside it.
+             allocated memory must stay below 3.75 GiB; freetune.plan.memory's estimate is printed beside it.
   preflight  read_hardware() + make_plan() leave no CUDA context behind (the Kaggle notebook's kernel runs
              preflight, then torchrun's ranks need all of every GPU).
   calibrate  (--calibrate) Qwen2.5-1.5B's shape at batch 1 and 8 with checkpointing, 1,024-token rows:
-             measured peak against freetune.memory.estimate.
+             measured peak against freetune.plan.memory.estimate.
 
 The model is loaded and trained by freetune's own code (freetune.model.load_base_model, attach_lora and
 freetune.train.make_config, which set BitsAndBytesConfig's compute dtype and the non-quantised weights from the
@@ -267,7 +267,7 @@ def check_preflight(args, work: Path) -> dict:
 
 
 def check_calibrate(args, work: Path) -> dict:
-    """Measured peak of the Qwen2.5-1.5B shape against freetune.memory.estimate (batch 1 and 8, checkpointing)."""
+    """Measured peak of the Qwen2.5-1.5B shape against freetune.plan.memory.estimate (batch 1 and 8, checkpointing)."""
     import torch
 
     from freetune.plan import KNOWN_SHAPES, estimate

@@ -136,7 +136,8 @@ def test_the_compiled_dequantisation_from_8bit_absmax_values_on_a_gpu():
 def test_the_fused_layers_keep_fp32_absmax_values_instead_of_8bit_ones_as_the_memory_estimate_counts(tiny_model_dir):
     """The fused layers keep every double-quantised weight's absmax values in fp32 (dequantised once, not in every
     forward and backward) and drop the 8-bit ones: bitsandbytes' own forward (generation) then reads the fp32 values
-    and gives what it gave before, and the bytes are what freetune.memory.estimate counts for lora_kernel "fused"."""
+    and gives what it gave before, and the bytes are what freetune.plan.memory.estimate counts for lora_kernel
+    "fused"."""
     from peft.tuners.lora import LoraLayer
 
     from freetune.plan import ModelShape, estimate

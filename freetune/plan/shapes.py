@@ -29,8 +29,8 @@ class ModelShape:
     head_dim: int | None = None      # None: hidden // heads (Qwen3 sets 128 explicitly)
     qk_norm: bool = False            # Qwen3 normalises q and k per head
     attention_bias: bool = False     # Qwen2 has q/k/v biases
-    # What the fast path must know of the architecture (freetune.choices steps a feature aside where it cannot honour
-    # it); all from the model's config.json.
+    # What the fast path must know of the architecture (freetune.plan.decisions steps a feature aside where it cannot
+    # honour it); all from the model's config.json.
     model_type: str = ""
     sliding_window: int | None = None   # tokens a sliding-window layer attends to (None: no layer slides)
     attn_softcap: float | None = None   # attention logits soft-capped (Gemma-2): tanh(x / c) * c
