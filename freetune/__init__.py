@@ -4,15 +4,15 @@ Modules, in the order a recipe uses them:
   console      what the notebook shows: errors as messages, no library progress bars, one duration format
   params       check the parameters cell's values against their declared types
   platform     Colab / Kaggle / local differences as one table (paths, secrets, install)
-  preflight    the machine check and the training plan (dtype, precision, attention, layout, batch), decided in
-               short steps by choices (every choose_*: value and reason); for_world re-decides it for a torchrun job
+  plan         the machine check and the training plan (dtype, precision, attention, layout, batch), decided in
+               short steps (every choose_*: a Decision, value and reason); for_world re-decides it for a torchrun job
   data         load and normalise training data (messages, ShareGPT, prompt/completion, Alpaca, column mapping)
   templates    named chat templates for base models (chatml, llama3, zephyr) and their Ollama twins
   audit        find junk rows before training, and clean them
   model        the 4-bit base model and its LoRA adapter
   train        the SFTConfig from the plan, the run with progress, memory and a summary (run_summary.json)
   trainer      FreetuneTrainer: every override of the Trainer's and SFTTrainer's methods, in one class
-  overrides    every other reach into transformers / TRL / peft / bitsandbytes internals; the version check
+  reach        every other reach into library internals, one module per library, each tagged with its release
   speed        the speed features, one module each (attention, the fused LoRA layer, MLP, CUDA graphs, host
                embeddings, sampler, compiled layers, ...): each says whether it applies, train installs them in order
   tracking     eval loss while training, the overfitting warning, report_to (TensorBoard, Trackio)
@@ -49,8 +49,8 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
 logging.getLogger("transformers.trainer_utils").addFilter(
     lambda record: not str(record.msg).startswith("The tokenizer has new PAD/BOS/EOS tokens"))
 
-_SUBMODULES = {"params", "platform", "preflight", "choices", "memory", "data", "audit", "model", "train", "trainer",
-               "overrides", "distributed", "launch", "checkpoint", "evaluate", "tasks", "export", "secrets", "fixtures",
+_SUBMODULES = {"params", "platform", "plan", "data", "audit", "model", "train", "trainer",
+               "distributed", "launch", "checkpoint", "evaluate", "tasks", "export", "secrets", "fixtures",
                "templates", "tracking", "chat", "resources"}
 
 

@@ -37,7 +37,7 @@ def write_job(path: str | Path, parameters: dict, paths, plan) -> Path:
 def load_job(path: str | Path) -> SimpleNamespace:
     """Read the job file inside train_ddp.py: .parameters (dict), .paths (Paths), .plan (Plan)."""
     from freetune.platform import Paths
-    from freetune.preflight import Plan, for_world
+    from freetune.plan import Plan, for_world
 
     job = json.loads(Path(path).read_text())
     plan_fields = {f.name for f in dataclasses.fields(Plan) if f.init}

@@ -20,7 +20,7 @@ from freetune import params, templates
 from freetune.distributed import context, print0
 from freetune.errors import FreetuneError, reason
 from freetune.platform import require_hub
-from freetune.preflight import Plan
+from freetune.plan import Plan
 from freetune.reach import peft_bnb as peft_bnb_reach
 from freetune.reach import transformers as transformers_reach
 from freetune.speed import bnb_cpu

@@ -25,13 +25,13 @@ from transformers import TrainerCallback
 
 from freetune import checkpoint, speed, tracking
 from freetune import params as param_rules  # not `params`: make_config takes a recipe's parameters under that name
-from freetune.choices import choose_optimizer
+from freetune.plan.sizing import choose_optimizer
 from freetune.console import duration
 from freetune.distributed import COLLECTIVE_TIMEOUT_S, check_replicas_agree, context, print0
 from freetune.errors import FreetuneError
 from freetune.model import adapter_dtype_guard
 from freetune.platform import Paths
-from freetune.preflight import Plan
+from freetune.plan import Plan
 from freetune.reach import transformers as transformers_reach
 from freetune.reach.transformers import NonFiniteGuard
 from freetune.resources import folder_bytes
@@ -146,12 +146,12 @@ def _sft_config(paths: Paths, plan: Plan, *, max_steps: int, learning_rate: floa
 
 
 def _optimizer(plan: Plan, optimizer: str) -> str:
-    """The Trainer's optim: the plan's for "auto" (freetune.choices.choose_optimizer); one that runs on a CPU there."""
+    """The Trainer's optim: the plan's for "auto" (freetune.plan.sizing.choose_optimizer); one that runs on a CPU there."""
     if optimizer == "auto":
         optimizer = plan.optimizer
     if plan.device == "cpu":
         asked = optimizer
-        optimizer, _ = choose_optimizer(optimizer, plan.device, None, None, 0, "all-linear")
+        optimizer = choose_optimizer(optimizer, plan.device, None, None, 0, "all-linear").value
         if optimizer != asked:  # bitsandbytes' paged/8-bit optimisers need CUDA
             print0(f"Optimizer {asked} needs a GPU: using {optimizer} on the CPU.")
     return optimizer

@@ -17,7 +17,7 @@ library. What changes:
   _run_epoch, _load_from_checkpoint, _load_optimizer_and_scheduler);
 - no walk over every module of the model at every step: the parameter count of the FLOPs estimate counted once
   (floating_point_ops), the gradient clipping given the trainable parameters (_clip_grad_norm).
-The plan (freetune.preflight.Plan) says which batching and sampler; freetune.train.train builds this trainer and adds
+The plan (freetune.plan.Plan) says which batching and sampler; freetune.train.train builds this trainer and adds
 GarbageFrozenAfterWarmup (below), a callback that keeps Python's garbage collector off what the first steps leave.
 """
 
@@ -46,7 +46,7 @@ from freetune.speed.sampler import rank_balanced_sampler
 
 class FreetuneTrainer(SFTTrainer):
     """SFTTrainer with freetune's metrics, batching, sampler, checkpoints and resume (the module docstring says what
-    and why). plan: the run's freetune.preflight.Plan (None: TRL's own batching and sampler); hub: a
+    and why). plan: the run's freetune.plan.Plan (None: TRL's own batching and sampler); hub: a
     freetune.checkpoint.HubSync that uploads each complete checkpoint (main process only)."""
 
     resumed_at = 0  # the step this session started from (0, or the checkpoint's step)

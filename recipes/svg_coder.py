@@ -98,7 +98,7 @@ from pathlib import Path
 import freetune
 
 params = freetune.params.check(globals())
-plan = freetune.preflight.make_plan(
+plan = freetune.plan.make_plan(
     model_shape=model_id, max_length=max_length, micro_batch=micro_batch or None, grad_accum=grad_accum,
     lora_rank=lora_rank, gradient_checkpointing=gradient_checkpointing, optimizer=optimizer, precision=precision,
     compile=torch_compile, lora_dropout=lora_dropout,
@@ -133,7 +133,7 @@ rows, audit_report, cleaning = freetune.audit.audit_and_clean(
     auto_clean=auto_clean, accept_problems=accept_data_problems,
 )
 train_rows, held_out = freetune.data.split_eval(rows, eval_rows, seed=seed)
-plan = freetune.preflight.replan(plan, longest_row=audit_report.longest_row)  # sized for these rows
+plan = freetune.plan.replan(plan, longest_row=audit_report.longest_row)  # sized for these rows
 print(f"Plan for these rows: {plan.one_line()}")
 # before the model loads: a resume is of the same run (same settings, model and rows), and the disk has room
 freetune.checkpoint.check_run(paths, params, plan, train_rows)

@@ -7,7 +7,7 @@ rows), NF4 base, LoRA r16 on every linear layer (and a mixture's experts, throug
   ref32  transformers' own path in fp32 (no autocast): what both 16-bit paths are measured against;
   plain  the plain reference path on the T4 policy: peft's LoRA layers, transformers' own attention (the plan's
          sdpa, or eager for soft-capped logits), fp16 autocast, transformers' checkpoint on every layer;
-  fast   freetune's fast path on the same policy: every feature freetune.choices says honours the architecture
+  fast   freetune's fast path on the same policy: every feature freetune.plan.decisions says honours the architecture
          (fused LoRA layers cast once per forward; the variable-length attention kernel with padding-free rows; the
          traced fused MLP; the layers replayed as CUDA graphs; torch.compile per decoder layer), each checkpointed.
 The loss and every LoRA gradient of plain and fast on one padding-free batch (the same rows) are compared with
@@ -105,18 +105,16 @@ def plans(model_dir: Path, multiple: int):
     """(the plan freetune makes for this model at the T4 cap, the fast path's plan, the plain path's plan, ref32's,
     {feature: "" or why it steps aside})."""
     import freetune
-    from freetune import choices
-    from freetune.memory import ModelShape
-    from freetune.preflight import make_plan, read_hardware
+    from freetune.plan import ModelShape, decisions, make_plan, read_hardware
     from freetune.speed.attention import VARLEN_ATTENTION
 
     shape = ModelShape.named(str(model_dir))
     plan = make_plan(read_hardware("/tmp", "/tmp"), model_shape=shape, max_length=MAX_LENGTH, micro_batch=ROWS,
                      grad_accum=1, lora_rank=LORA_RANK, precision="fp16", memory_budget_gib=CAP_GIB,
                      lora_dropout=0.0)
-    own = choices.choose_attention(freetune.preflight.Hardware(), "turing", shape)[0]
-    aside = {"varlen": choices.varlen_why_not(shape, MAX_LENGTH), "mlp": choices.mlp_why_not(shape),
-             "graphs": choices.graphs_why_not(shape)}
+    own = decisions.choose_attention(freetune.plan.Hardware(), "turing", shape).value
+    aside = {"varlen": decisions.varlen_why_not(shape, MAX_LENGTH), "mlp": decisions.mlp_why_not(shape),
+             "graphs": decisions.graphs_why_not(shape)}
     if aside["varlen"] and not aside["graphs"]:
         aside["graphs"] = "padded batches (the varlen kernel steps aside): the graphs take padding-free rows"
     aside["attention"] = "" if own == "sdpa" else f"{own}: soft-capped logits (sdpa would drop the cap)"
@@ -154,8 +152,8 @@ class FastPath:
     def __init__(self, model, plan, compile_layers: bool):
         import torch
 
-        from freetune import overrides
-        from freetune.memory import keeps_8bit_absmax
+        from freetune.reach.torch import free_cublas_workspaces
+        from freetune.plan.memory import keeps_8bit_absmax
         from freetune.speed import attention, compiled_layers, cuda_graphs, lora_kernel, mlp
         from freetune.speed.batching import most_rows
 
@@ -182,7 +180,7 @@ class FastPath:
             self.stream = torch.cuda.Stream()
             self.stream.wait_stream(torch.cuda.current_stream())
             torch.cuda.set_stream(self.stream)
-            overrides.free_cublas_workspaces()
+            free_cublas_workspaces()
             self.applied["CUDA graphs"] = f"{self.graphed.install()} of {len(self.graphed.layers)} layers"
 
     def remove(self):
@@ -246,7 +244,7 @@ def one_architecture(architecture: str, work: Path, tokenizer_dir: Path, compile
 
     import torch
 
-    from freetune.choices import graph_tokens
+    from freetune.plan.sizing import graph_tokens
 
     model_dir = build(architecture, work, tokenizer_dir)
     token_rows = rows()

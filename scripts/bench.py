@@ -59,7 +59,8 @@ from pathlib import Path
 if not __package__:  # run as a file (python scripts/bench.py): its sibling modules by the package's name
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from freetune.fixtures import QWEN_PADDED_VOCAB
-from freetune.memory import ALLOCATOR_SLACK, CUDA_CONTEXT_GIB, KNOWN_SHAPES, ModelShape
+from freetune.plan import KNOWN_SHAPES, ModelShape
+from freetune.plan.memory import ALLOCATOR_SLACK, CUDA_CONTEXT_GIB
 from scripts.gc_pauses import GcPauses
 
 REPO = Path(__file__).resolve().parents[1]
@@ -538,7 +539,7 @@ def fresh_run_folder(run_dir: Path, ctx):
 
 def job_plan(job: dict, shape: ModelShape, run_dir: Path):
     """The plan this job's run follows, and the --variants experiments it asks for (not plan fields)."""
-    from freetune.preflight import make_plan, read_hardware
+    from freetune.plan import make_plan, read_hardware
 
     hardware = read_hardware(str(run_dir), str(run_dir))
     # freetune[matched]: the budget of the peer's peak (+5%) under the mode's cap, set when it was launched
@@ -563,6 +564,9 @@ def job_plan(job: dict, shape: ModelShape, run_dir: Path):
                        reasons={**plan.reasons, "batching": f"{job['batching']}, as --tiny asks"})
     overrides = dict(job.get("overrides") or {})
     experiments = {k: overrides.pop(k) for k in EXPERIMENTS if k in overrides}
+    # fp32_absmax: the fused layers' fp32 absmax copy even where compiled layers decode 8-bit, as a plan variant.
+    if experiments.pop("fp32_absmax", False):
+        overrides["keep_8bit_absmax"] = False
     if overrides:  # a --variants run: freetune's plan with some choices changed
         plan = replace(plan, **overrides, reasons={**plan.reasons, **{k: "as --variants asks" for k in overrides}})
     return plan, experiments
@@ -735,8 +739,8 @@ def host_and_memory(timer, cuda: bool) -> dict:
 
 
 def seen_estimate(plan, shape: ModelShape, tokens: int) -> float | None:
-    """freetune.memory.estimate with the plan's settings at `tokens` tokens in one micro-batch."""
-    from freetune.memory import estimate
+    """freetune.plan.memory.estimate with the plan's settings at `tokens` tokens in one micro-batch."""
+    from freetune.plan import estimate
 
     if plan.memory is None or not tokens:
         return None
@@ -750,7 +754,7 @@ def seen_estimate(plan, shape: ModelShape, tokens: int) -> float | None:
 
 def apply_experiments(experiments: dict, shape: ModelShape, local_rank: int) -> None:
     """The experiments a --variants run asks for that change freetune's path itself (before the model loads):
-    cpp_wrapper, combo_kernels, dense_head, no_packed_check, pin_cores, byte_masks, fp32_absmax, per_layer_casts,
+    cpp_wrapper, combo_kernels, dense_head, no_packed_check, pin_cores, byte_masks, per_layer_casts,
     copied_heads, trl_empty_cache, no_triton, inline_dgrad, skip_guards, no_asserts, gc_unfrozen, liger. A GPU worker
     process runs one configuration, so what they patch is patched for it only (a --tiny run without --spawn runs every
     job in one process: its patches stay for the runs after it)."""
@@ -800,10 +804,6 @@ def apply_experiments(experiments: dict, shape: ModelShape, local_rank: int) -> 
         import freetune.speed.lora_kernel
 
         freetune.speed.lora_kernel.pack_mask = lambda kept: kept  # the backward unpacks only uint8 masks
-    if experiments.get("fp32_absmax"):  # the fused layers' fp32 absmax copy even where compiled layers decode 8-bit
-        import freetune.memory  # read by freetune.speed.lora_kernel's FEATURE when it installs
-
-        freetune.memory.keeps_8bit_absmax = lambda *args: False
     # The two launch savings of the eighth session, undone to measure them in the same call:
     if experiments.get("per_layer_casts"):  # each fused layer casts its own LoRA weights (no once-per-forward cast)
         import freetune.speed.lora_kernel

@@ -4,7 +4,7 @@ sharded over two GPUs, where DDP under the same cap runs out of memory.
     python scripts/fsdp_check.py --out reports/gpu/fsdp_check.json          # on a machine with 2 GPUs
 
 Three torchrun jobs (2 processes, NCCL) on the same model, data, LoRA and steps, through freetune's own path
-(freetune.preflight.make_plan -> freetune.model.load_base_model / attach_lora -> freetune.train):
+(freetune.plan.make_plan -> freetune.model.load_base_model / attach_lora -> freetune.train):
   1. DDP  under the cap (torch.cuda.set_per_process_memory_fraction)  -> expected: out of memory
   2. auto under the cap: the plan must choose FSDP by itself            -> expected: trains
   3. the same FSDP run again with more steps: it resumes from job 2's checkpoint -> expected: resumes, trains on
@@ -95,7 +95,7 @@ def worker(args) -> int:
 
     import freetune
     from freetune.platform import Paths
-    from freetune.preflight import make_plan
+    from freetune.plan import make_plan
 
     ctx = freetune.distributed.init()
     out = Path(args.records)
@@ -195,7 +195,8 @@ def main() -> int:
     started = time.time()
     model = build_model(work / f"model-{args.layers}l", shape)
     print(f"model ready in {time.time() - started:.0f} s: {model}", flush=True)
-    from freetune.memory import NF4_BYTES_PER_PARAM, ModelShape
+    from freetune.plan import ModelShape
+    from freetune.plan.memory import NF4_BYTES_PER_PARAM
 
     shape_info = ModelShape.named(str(model))
     weights_4bit = shape_info.quantized_params * NF4_BYTES_PER_PARAM[True] / 2**30

@@ -14,11 +14,11 @@ Checks, each in its own process (a memory cap or a peak statistic never leaks in
   tiny_4gb   TinyLlama-1.1B's shape (public config, random weights, built here) under a 4 GiB cap
              (torch.cuda.set_per_process_memory_fraction): LoRA r8, batch 1 x accumulation 8, paged 8-bit AdamW,
              gradient checkpointing (use_reentrant=False), max_grad_norm 0.3, rows of 300-1,024 tokens. Peak
-             allocated memory must stay below 3.75 GiB; freetune.memory's estimate is printed beside it.
+             allocated memory must stay below 3.75 GiB; freetune.plan.memory's estimate is printed beside it.
   preflight  read_hardware() + make_plan() leave no CUDA context behind (the Kaggle notebook's kernel runs
              preflight, then torchrun's ranks need all of every GPU).
   calibrate  (--calibrate) Qwen2.5-1.5B's shape at batch 1 and 8 with checkpointing, 1,024-token rows:
-             measured peak against freetune.memory.estimate.
+             measured peak against freetune.plan.memory.estimate.
 
 The model is loaded and trained by freetune's own code (freetune.model.load_base_model, attach_lora and
 freetune.train.make_config, which set BitsAndBytesConfig's compute dtype and the non-quantised weights from the
@@ -182,7 +182,7 @@ def check_policy(name: str, args, work: Path) -> dict:
     import torch
 
     from freetune.fixtures import cached_tiny_model
-    from freetune.preflight import make_plan
+    from freetune.plan import make_plan
 
     # The default size is the test suite's cached fixture; other sizes are built (and cached) on first use.
     size = {} if (args.tiny_hidden, args.tiny_layers) == (64, 2) else dict(hidden_size=args.tiny_hidden,
@@ -215,8 +215,8 @@ def check_tiny_4gb(args, work: Path) -> dict:
     """TinyLlama's shape under a 4 GiB cap: the tiny_4gb recipe's settings."""
     import torch
 
-    from freetune.memory import KNOWN_SHAPES
-    from freetune.preflight import make_plan
+    from freetune.plan import KNOWN_SHAPES
+    from freetune.plan import make_plan
 
     cuda = torch.cuda.is_available()
     shape_values = dict(TINYLLAMA)
@@ -251,7 +251,7 @@ def check_preflight(args, work: Path) -> dict:
     """read_hardware() and make_plan() must not create a CUDA context (it would hold memory on every GPU)."""
     import shutil
 
-    from freetune.preflight import make_plan, read_hardware
+    from freetune.plan import make_plan, read_hardware
 
     hardware = read_hardware(str(work), str(work))
     plan = make_plan(hardware, model_shape="qwen2.5-1.5b")
@@ -267,11 +267,11 @@ def check_preflight(args, work: Path) -> dict:
 
 
 def check_calibrate(args, work: Path) -> dict:
-    """Measured peak of the Qwen2.5-1.5B shape against freetune.memory.estimate (batch 1 and 8, checkpointing)."""
+    """Measured peak of the Qwen2.5-1.5B shape against freetune.plan.memory.estimate (batch 1 and 8, checkpointing)."""
     import torch
 
-    from freetune.memory import KNOWN_SHAPES, estimate
-    from freetune.preflight import make_plan
+    from freetune.plan import KNOWN_SHAPES, estimate
+    from freetune.plan import make_plan
 
     if not torch.cuda.is_available():
         return {"check": "calibrate", "skipped": "needs a GPU", "failures": [], "passed": True}

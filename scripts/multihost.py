@@ -40,7 +40,7 @@ def prepare(recipe: str, parameters: dict, out: Path, *, nnodes: int = 1, nproc:
 
     from build_notebooks import parameter_names
     from freetune.launch import write_job
-    from freetune.preflight import for_world
+    from freetune.plan import for_world
 
     notebook = ROOT / "notebooks" / "kaggle" / f"{recipe}.ipynb"
     if not notebook.exists():

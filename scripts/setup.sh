@@ -27,7 +27,7 @@ torch_version="${TORCH_VERSION:-2.13.0}"
 # TORCH_WHEELS: a folder holding that torch and its dependencies (.ci/platforms keeps one), installed without the index.
 "$venv/bin/python" -m pip install -q "torch==$torch_version" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} \
     ${TORCH_WHEELS:+--no-index --find-links "$TORCH_WHEELS"}
-# torch's CUDA builds bring the Triton they were built with; the CPU build brings none, and freetune.triton_kernels'
+# torch's CUDA builds bring the Triton they were built with; the CPU build brings none, and freetune.speed.triton_kernels'
 # tests need one for Triton's interpreter: the cpu-triton extra, only then (a second pin would fight torch's).
 extras="train,tasks,logging,dev"
 if ! "$venv/bin/python" -c "import triton" 2>/dev/null; then

@@ -26,7 +26,7 @@ def main() -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     import freetune
-    from freetune.preflight import make_plan
+    from freetune.plan import make_plan
     from freetune.speed import compiled_layers, lora_kernel
 
     ctx = freetune.distributed.init(timeout_s=60)

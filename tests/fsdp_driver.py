@@ -27,7 +27,7 @@ def main() -> None:
     import torch
 
     import freetune
-    from freetune.preflight import Plan
+    from freetune.plan import Plan
 
     # A short collective timeout, and rank 0's loading made longer than it (a slow download): the other ranks must
     # wait for the model on the loader's own long timeout (freetune.model.LOAD_TIMEOUT_S) and not fail the job.

@@ -141,7 +141,7 @@ def main() -> None:
     import freetune
     import freetune.checkpoint  # not (yet) among freetune's lazily loaded submodules
     from freetune.platform import Paths
-    from freetune.preflight import Plan
+    from freetune.plan import Plan
 
     ctx = freetune.distributed.init(timeout_s=60)
     if job.get("pid_dir"):  # outside the run folder: lets the test signal one rank

@@ -27,7 +27,7 @@ def main() -> None:
 
     import freetune
     from freetune.platform import Paths
-    from freetune.preflight import make_plan
+    from freetune.plan import make_plan
     from freetune.trainer import FreetuneTrainer
 
     ctx = freetune.distributed.init(timeout_s=60)

@@ -10,10 +10,8 @@ each compiled layer costs ~a minute: tests/test_fused_mlp.py compiles Llama-like
 import pytest
 import torch
 
-from freetune import choices
 from freetune.fixtures import cached_tiny_model
-from freetune.memory import ModelShape
-from freetune.preflight import Hardware
+from freetune.plan import Hardware, ModelShape, decisions
 from freetune.speed import attention, batching, cuda_graphs, lora_kernel
 from test_graphed_layers import packed_batch, step
 
@@ -45,10 +43,10 @@ def lora_model(model_dir, attention: str):
 
 def plan_for(shape):
     """(transformers' attention, freetune's attention, graphs?) as a T4 plan with a variable-length kernel takes them
-    for this shape (freetune.choices)."""
-    own = choices.choose_attention(Hardware(), "turing", shape)[0]
-    varlen = not choices.varlen_why_not(shape, MAX_ROW)
-    return own, (attention.register_attention() if varlen else own), not choices.graphs_why_not(shape)
+    for this shape (freetune.plan.decisions)."""
+    own = decisions.choose_attention(Hardware(), "turing", shape).value
+    varlen = not decisions.varlen_why_not(shape, MAX_ROW)
+    return own, (attention.register_attention() if varlen else own), not decisions.graphs_why_not(shape)
 
 
 def freetune_path(model_dir, attention: str, graphs: bool):
@@ -98,10 +96,11 @@ STEPS_ASIDE = {
 def test_each_feature_says_whether_it_honours_the_architecture(architecture):
     shape = ModelShape.named(str(cached_tiny_model(architecture)))
     expected = STEPS_ASIDE.get(architecture, {})
-    said = {"varlen": choices.varlen_why_not(shape, MAX_ROW), "graphs": choices.graphs_why_not(shape),
-            "mlp": choices.mlp_why_not(shape), "attention": choices.choose_attention(Hardware(), "turing", shape)[0]}
-    compiled, why = choices.choose_compile("auto", "cuda", "single", shape)
-    said["compile"] = "" if compiled else why
+    said = {"varlen": decisions.varlen_why_not(shape, MAX_ROW), "graphs": decisions.graphs_why_not(shape),
+            "mlp": decisions.mlp_why_not(shape),
+            "attention": decisions.choose_attention(Hardware(), "turing", shape).value}
+    compiled = decisions.choose_compile("auto", "cuda", "single", shape)
+    said["compile"] = "" if compiled.value else compiled.why
     for feature in ("varlen", "graphs", "mlp", "compile"):
         assert (expected.get(feature, "") in said[feature]) and (bool(said[feature]) == (feature in expected)), \
             (architecture, feature, said[feature])

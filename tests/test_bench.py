@@ -343,7 +343,7 @@ def test_the_svg_sample_rows_are_svg_coders_chats_and_the_plan_is_sized_from_the
     """--rows svg_sample: the memory estimate against the peak on the rows the embedded default trains on. The rows
     are the bundled sample as svg_coder renders it, and the plan is the one its replan makes for the longest."""
     import freetune
-    from freetune.memory import KNOWN_SHAPES
+    from freetune.plan import KNOWN_SHAPES
 
     bench = load_bench()
     rows = bench.svg_sample_rows()
@@ -406,7 +406,7 @@ def test_the_memory_matched_run_is_planned_for_the_peers_peak_measured_before_it
     assert plan.memory.total_gib <= matched["budget_gib"] < default.memory.total_gib
     # On a GPU (described, this machine has none) that budget plans 8 x 1,024 tokens, every layer checkpointed and
     # offloaded, with an estimated peak allocated under the target
-    from freetune.preflight import GPU, Hardware, make_plan
+    from freetune.plan import GPU, Hardware, make_plan
 
     h200 = Hardware(gpus=[GPU("NVIDIA H200", (9, 0), 139.8)], arch_list=["sm_75", "sm_80", "sm_90"],
                     bf16_supported=True, torch="2.11.0", cuda="13.0", ram_total_gib=128.0, ram_available_gib=120.0)

@@ -65,7 +65,7 @@ def test_a_4bit_model_loaded_on_the_cpu_holds_its_own_weights(odd_sized_model):
     from safetensors.torch import load_file
 
     from freetune.model import load_base_model
-    from freetune.preflight import Hardware, make_plan
+    from freetune.plan import Hardware, make_plan
 
     plan = make_plan(Hardware())
     model = load_base_model(str(odd_sized_model), plan, gradient_checkpointing=False)
@@ -85,7 +85,7 @@ def test_an_odd_sized_4bit_layer_runs_in_eval_mode_on_the_cpu(odd_sized_model):
     from bitsandbytes.nn import Linear4bit
 
     from freetune.model import load_base_model
-    from freetune.preflight import Hardware, make_plan
+    from freetune.plan import Hardware, make_plan
 
     model = load_base_model(str(odd_sized_model), make_plan(Hardware()), gradient_checkpointing=False)
     layer = next(m for m in model.modules() if isinstance(m, Linear4bit) and m.in_features == 80)

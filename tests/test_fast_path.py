@@ -43,7 +43,7 @@ def test_padding_free_path_matches_the_plain_loss_and_computes_no_padding(tiny_m
 
     import freetune
     from freetune.model import adapter_dtype_guard
-    from freetune.preflight import Plan
+    from freetune.plan import Plan
     from freetune.reach import trl as trl_reach
     from freetune.speed import batching
 
@@ -117,8 +117,8 @@ def test_padding_free_path_matches_the_plain_loss_and_computes_no_padding(tiny_m
 
 
 def test_the_plan_chooses_the_fast_path_and_says_why(monkeypatch):
-    from freetune.memory import KNOWN_SHAPES
-    from freetune.preflight import GPU, Hardware, make_plan
+    from freetune.plan import KNOWN_SHAPES
+    from freetune.plan import GPU, Hardware, make_plan
     from freetune.speed import attention
 
     def machine(name, capability, memory_gib, bf16):
@@ -272,7 +272,7 @@ def test_a_4bit_models_fp32_queries_run_the_16bit_kernel_under_mixed_precision(t
     import transformers.integrations.sdpa_attention as sdpa
 
     import freetune
-    from freetune.preflight import Plan
+    from freetune.plan import Plan
     from freetune.speed import attention
 
     plan = Plan(device="cpu", compute_dtype="bfloat16", mixed_precision="bf16",
@@ -310,7 +310,7 @@ def test_a_4bit_models_fp32_queries_run_the_16bit_kernel_under_mixed_precision(t
 def test_the_config_keeps_the_host_from_waiting_for_the_gpu_each_micro_batch(tmp_path):
     """On a GPU the batch is copied from pinned memory without a wait, and no micro-batch's loss is read on the host
     (the Trainer's NaN filter); on a CPU there is nothing to pin or wait for."""
-    from freetune.preflight import Plan
+    from freetune.plan import Plan
     from freetune.train import make_config
 
     paths = run_paths(tmp_path, "cfg")
@@ -331,7 +331,7 @@ def _padding_free_vs_alone(model_dir, device: str, backend: str):
     import torch
 
     import freetune
-    from freetune.preflight import Plan
+    from freetune.plan import Plan
     from freetune.speed import attention
 
     cuda = device == "cuda"

@@ -6,8 +6,10 @@ Real bitsandbytes NF4 weights and peft adapters on a CPU (the same code a GPU ru
 import pytest
 import torch
 
-from freetune.memory import ModelShape, estimate, keeps_8bit_absmax
-from freetune.preflight import Hardware
+from freetune.plan import ModelShape, estimate
+
+from freetune.plan.memory import keeps_8bit_absmax
+from freetune.plan import Hardware
 from freetune.speed import compiled_layers, lora_kernel, mlp_ops
 from freetune.speed import mlp as fused_mlp  # not `mlp`: the tests name a model's MLP module that
 from test_kernels import gpu, loss_and_grads, quantized_lora_model
@@ -163,7 +165,7 @@ def test_the_plan_takes_the_traced_mlp_where_every_layer_is_checkpointed_and_chu
     """Every layer checkpointed (a small budget): the traced MLP (2 instead of 7 tokens x intermediate tensors in a
     layer's backward, for two more matmuls); the chunked op, host-bound, only where even one row of max_length would
     not fit otherwise, instead of cutting the rows; the per-projection MLP where layers keep their activations."""
-    from freetune.preflight import make_plan
+    from freetune.plan import make_plan
 
     t4 = gpu("Tesla T4", (7, 5), 14.7)
     small = make_plan(t4, model_shape="tinyllama-1.1b", memory_budget_gib=4.0)

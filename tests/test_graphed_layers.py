@@ -121,7 +121,7 @@ def test_where_the_graphs_do_not_apply_the_run_is_told_why(tiny_model_dir):
 
 
 def gpu_plan(memory_gib, **asked):
-    from freetune.preflight import GPU, Hardware, make_plan
+    from freetune.plan import GPU, Hardware, make_plan
 
     gpu = GPU(name="NVIDIA T4", capability=(7, 5), memory_gib=memory_gib)
     hardware = Hardware(gpus=[gpu], torch="2.13.0", cuda="12.8", arch_list=["sm_75"])
@@ -133,18 +133,20 @@ def test_the_plan_replays_the_layers_as_graphs_where_every_layer_is_checkpointed
     eighths of the largest, 8-bit AdamW and smaller loss tiles paying for the graphs' buffers, which the memory
     estimate counts. With dropout, or with the whole batch fitting without checkpointing, no graphs and the optimizer
     as before."""
-    from freetune import choices, memory
+    from freetune.plan import memory, sizing
+    from freetune.speed import attention
+    from freetune.plan.decisions import resolve_shape
 
     # The variable-length kernel's probe needs a GPU: here it is taken as passed, as on a T4.
-    monkeypatch.setattr(choices, "varlen_works", lambda device, policy="ampere": (True, "probed by the test"))
-    monkeypatch.setattr(choices, "varlen_backend", lambda device: "efficient")
+    monkeypatch.setattr(attention, "varlen_works", lambda device, policy="ampere": (True, "probed by the test"))
+    monkeypatch.setattr(attention, "varlen_backend", lambda device: "efficient")
 
     plan = gpu_plan(4, memory_budget_gib=4, lora_dropout=0.0)
     assert plan.gradient_checkpointing and plan.checkpoint_every == 1 and plan.batching == "padding_free"
-    assert plan.cuda_graph_tokens == choices.graph_tokens(plan.micro_batch, plan.max_length) == 1024
-    assert plan.optimizer == "adamw_8bit" and plan.loss_tile_tokens == choices.GRAPHS_LOSS_TILE_TOKENS
+    assert plan.cuda_graph_tokens == sizing.graph_tokens(plan.micro_batch, plan.max_length) == 1024
+    assert plan.optimizer == "adamw_8bit" and plan.loss_tile_tokens == sizing.GRAPHS_LOSS_TILE_TOKENS
     assert dict((c, v) for c, v, _ in plan.rows())["CUDA graphs"] == "per layer, batches in multiples of 1024 tokens"
-    shape = choices.resolve_shape("TinyLlama/TinyLlama-1.1B-Chat-v1.0")
+    shape = resolve_shape("TinyLlama/TinyLlama-1.1B-Chat-v1.0")
     settings = {k: v for k, v in plan.memory.settings.items() if k != "model"}
     assert settings["cuda_graphs"]
     with_graphs = memory.estimate(shape, **settings)
@@ -161,7 +163,7 @@ def test_the_plan_replays_the_layers_as_graphs_where_every_layer_is_checkpointed
 
 
 def test_the_graphs_multiple_is_an_eighth_of_the_largest_batch_in_steps_of_64():
-    from freetune.choices import graph_tokens
+    from freetune.plan.sizing import graph_tokens
 
     assert graph_tokens(8, 1024) == 1024 and graph_tokens(8, 2048) == 2048
     assert graph_tokens(4, 1000) == 512 and graph_tokens(1, 512) == 256

@@ -8,7 +8,7 @@ import torch
 
 from freetune.fixtures import cached_tiny_model
 from freetune.model import attach_lora, load_base_model
-from freetune.preflight import Hardware, make_plan
+from freetune.plan import Hardware, make_plan
 from freetune.speed import host_embeddings
 
 

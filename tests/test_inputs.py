@@ -9,7 +9,7 @@ import pytest
 from conftest import REPO
 from freetune import audit, data, model, params
 from freetune.errors import FreetuneError
-from freetune.preflight import make_plan
+from freetune.plan import make_plan
 
 
 

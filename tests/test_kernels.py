@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from freetune.errors import FreetuneError
-from freetune.preflight import GPU, Hardware, make_plan
+from freetune.plan import GPU, Hardware, make_plan
 from freetune.speed import compiled_layers, lora_kernel, nf4
 
 
@@ -136,10 +136,11 @@ def test_the_compiled_dequantisation_from_8bit_absmax_values_on_a_gpu():
 def test_the_fused_layers_keep_fp32_absmax_values_instead_of_8bit_ones_as_the_memory_estimate_counts(tiny_model_dir):
     """The fused layers keep every double-quantised weight's absmax values in fp32 (dequantised once, not in every
     forward and backward) and drop the 8-bit ones: bitsandbytes' own forward (generation) then reads the fp32 values
-    and gives what it gave before, and the bytes are what freetune.memory.estimate counts for lora_kernel "fused"."""
+    and gives what it gave before, and the bytes are what freetune.plan.memory.estimate counts for lora_kernel
+    "fused"."""
     from peft.tuners.lora import LoraLayer
 
-    from freetune.memory import ModelShape, estimate
+    from freetune.plan import ModelShape, estimate
 
     model = quantized_lora_model(tiny_model_dir, torch.float32)
     layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
@@ -178,7 +179,7 @@ def test_layers_that_will_be_compiled_keep_the_8bit_absmax_values(tiny_model_dir
     values, and its eager forward and backward equal the fp32 copy's."""
     from peft.tuners.lora import LoraLayer
 
-    from freetune.memory import keeps_8bit_absmax
+    from freetune.plan.memory import keeps_8bit_absmax
 
     assert keeps_8bit_absmax("fused", True, "traced") and keeps_8bit_absmax("fused", True, "layers")
     assert not keeps_8bit_absmax("fused", False, "layers") and not keeps_8bit_absmax("fused", True, "chunked")

@@ -5,7 +5,9 @@ import json
 
 import pytest
 
-from freetune.memory import KNOWN_SHAPES, ModelShape, estimate, fit, layer_activation_bytes, loss_head_bytes
+from freetune.plan import KNOWN_SHAPES, ModelShape, estimate, fit
+
+from freetune.plan.memory import layer_activation_bytes, loss_head_bytes
 
 QWEN15 = KNOWN_SHAPES["qwen2.5-1.5b"]
 

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from freetune import choices
+from freetune.speed import attention
 from freetune.errors import FreetuneError
-from freetune.memory import ModelShape, estimate, shape_of
-from freetune.preflight import GPU, Hardware, make_plan
+from freetune.plan import ModelShape, estimate, shape_of
+from freetune.plan import GPU, Hardware, make_plan
 
 T4 = Hardware(gpus=[GPU("Tesla T4", (7, 5), 14.7)], arch_list=["sm_75", "sm_80"], torch="2.13.0", cuda="12.8",
               disk_free_gib={"/work": 60.0}, ram_total_gib=30.0, ram_available_gib=28.0)
@@ -57,8 +57,8 @@ def folders(tmp_path_factory):
 @pytest.fixture
 def t4_with_varlen(monkeypatch):
     """A T4 whose variable-length kernel passed its probe (the probe needs a GPU: here it is taken as passed)."""
-    monkeypatch.setattr(choices, "varlen_works", lambda device, policy="ampere": (True, "probed by the test"))
-    monkeypatch.setattr(choices, "varlen_backend", lambda device: "efficient")
+    monkeypatch.setattr(attention, "varlen_works", lambda device, policy="ampere": (True, "probed by the test"))
+    monkeypatch.setattr(attention, "varlen_backend", lambda device: "efficient")
 
 
 def test_the_shape_comes_from_each_models_own_config_json(folders):

@@ -203,7 +203,7 @@ def test_fsdp_loads_once_shards_the_4bit_model_and_trains_like_one_process(tmp_p
 
 def test_the_plan_shards_with_fsdp_when_one_copy_per_gpu_does_not_fit():
     from freetune.errors import FreetuneError
-    from freetune.preflight import GPU, Hardware, make_plan
+    from freetune.plan import GPU, Hardware, make_plan
 
     t4x2 = Hardware(gpus=[GPU("Tesla T4", (7, 5), 14.7)] * 2, arch_list=["sm_75"])
     roomy = make_plan(t4x2, model_shape="qwen3-8b", max_length=1024)
@@ -230,7 +230,7 @@ def test_the_plan_shards_with_fsdp_when_one_copy_per_gpu_does_not_fit():
 def test_the_trainer_gets_fsdp1_settings_and_a_cpu_run_is_refused(tmp_path):
     from freetune.errors import FreetuneError
     from freetune.platform import Paths
-    from freetune.preflight import Plan
+    from freetune.plan import Plan
     from freetune.train import make_config
 
     run = tmp_path / "run"

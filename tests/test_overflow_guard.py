@@ -15,7 +15,7 @@ import freetune
 from freetune.checkpoint import complete_checkpoints
 from freetune.errors import FreetuneError
 from freetune.platform import Paths
-from freetune.preflight import Plan
+from freetune.plan import Plan
 
 pytestmark = pytest.mark.slow
 

@@ -7,11 +7,10 @@ from dataclasses import replace
 
 import pytest
 
-from freetune import preflight
 from freetune.errors import FreetuneError
-from freetune.hardware import torch_supports
-from freetune.memory import KNOWN_SHAPES
-from freetune.preflight import GPU, Hardware, Plan, make_plan, read_hardware
+from freetune.plan import GPU, KNOWN_SHAPES, Hardware, Plan, for_world, make_plan, read_hardware, replan
+from freetune.plan import __main__ as cli
+from freetune.plan.hardware import torch_supports
 
 # What current PyTorch wheels (CUDA 12.8+) are built for: Turing and newer, no Pascal (sm_60) or Volta (sm_70).
 CURRENT_ARCHS = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]
@@ -193,7 +192,7 @@ def test_read_hardware_on_this_machine(tmp_path):
 
 
 def test_cli_json_on_this_machine():
-    out = subprocess.run([sys.executable, "-m", "freetune.preflight", "--json", "--model-shape", "qwen2.5-1.5b",
+    out = subprocess.run([sys.executable, "-m", "freetune.plan", "--json", "--model-shape", "qwen2.5-1.5b",
                           "--max-length", "512"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
@@ -203,13 +202,13 @@ def test_cli_json_on_this_machine():
 
 
 def test_cli_refuses_an_unsupported_gpu(monkeypatch, capsys):
-    monkeypatch.setattr(preflight, "read_hardware", lambda *a, **k: P100)
-    assert preflight.main(["--json"]) == 2
+    monkeypatch.setattr(cli, "read_hardware", lambda *a, **k: P100)
+    assert cli.main(["--json"]) == 2
     captured = capsys.readouterr()
     assert "GPU T4 x2" in json.loads(captured.out)["error"]
     assert "preflight refused" in captured.err
-    monkeypatch.setattr(preflight, "read_hardware", lambda *a, **k: T4)
-    assert preflight.main([]) == 0
+    monkeypatch.setattr(cli, "read_hardware", lambda *a, **k: T4)
+    assert cli.main([]) == 0
     assert "Tesla T4" in capsys.readouterr().out
 
 
@@ -225,7 +224,7 @@ def test_gradient_checkpointing_takes_auto_on_off_and_refuses_anything_else():
 def test_a_card_with_room_for_some_layers_checkpoints_only_every_nth(tmp_path):
     """Between "fits without checkpointing" and "needs it everywhere": every n-th layer is checkpointed, the largest n
     that fits (the others skip the recompute), and the Trainer is told through every_n_layers."""
-    from freetune.memory import estimate
+    from freetune.plan import estimate
     from freetune.platform import Paths
     from freetune.train import make_config
 
@@ -251,7 +250,7 @@ def test_replanned_for_the_datas_longest_row_a_t4_drops_checkpointing():
     several times: replan sizes the batch for the data's longest row, keeps max_length as the cut, and says so."""
     first = make_plan(T4, model_shape="Qwen/Qwen2.5-Coder-1.5B-Instruct", grad_accum=8)
     assert first.micro_batch == 8 and first.gradient_checkpointing
-    data = preflight.replan(first, T4, longest_row=420)
+    data = replan(first, T4, longest_row=420)
     assert data.micro_batch == 8 and not data.gradient_checkpointing and data.max_length == 1024
     assert data.memory.total_gib < first.memory.total_gib
     assert "8 x 420 tokens" in data.reasons["batch"] and "longest row" in data.reasons["batch"]
@@ -262,27 +261,28 @@ def test_replanned_for_the_datas_longest_row_a_t4_drops_checkpointing():
     shaped = make_plan(T4, model_shape=KNOWN_SHAPES["qwen2.5-1.5b"], grad_accum=8)
     read_back = Plan(**{k: v for k, v in json.loads(json.dumps(dataclasses.asdict(shaped))).items()
                         if k != "memory"})
-    assert preflight.replan(read_back, T4, longest_row=420).one_line() == data.one_line()
+    assert replan(read_back, T4, longest_row=420).one_line() == data.one_line()
 
 
 def test_for_world_re_decides_the_sampler_and_counts_the_ranks_of_every_host():
     # The notebook planned for its own machine (one T4); the job that trains holds more ranks.
     one = make_plan(T4, model_shape="qwen2.5-1.5b")
     assert one.sampler != "rank_balanced" and one.world_size == 1
-    two_ranks = preflight.for_world(one, 2)
+    two_ranks = for_world(one, 2)
     assert two_ranks.sampler == "rank_balanced" and "2 ranks" in two_ranks.reasons["sampler"]
     assert two_ranks.world_size == 1 and two_ranks.reasons["layout"] == one.reasons["layout"]  # one host: as planned
-    hosts = preflight.for_world(one, 4, hosts=2)
+    hosts = for_world(one, 4, hosts=2)
     assert hosts.world_size == 4 and hosts.reasons["layout"].startswith(
         "2 hosts x 2 process(es) = 4 ranks through torchrun's c10d rendezvous; ")
     assert one.sampler != "rank_balanced" and one.world_size == 1  # a copy: the notebook's plan stays as shown
-    assert preflight.for_world(one, 1).sampler == one.sampler
+    assert for_world(one, 1).sampler == one.sampler
 
 
 def test_input_embeddings_go_to_host_ram_only_where_memory_is_tight_and_the_head_is_a_weight_of_its_own():
     """A 4 GB card with TinyLlama (every layer checkpointed, an untied head): the embedding table waits in host RAM and
     the estimate counts it off the GPU; a roomy card, a tied head (Qwen2.5), DDP and a CPU run keep it where it is."""
-    from freetune.memory import embedding_bytes, estimate
+    from freetune.plan import estimate
+    from freetune.plan.memory import embedding_bytes
 
     shape = KNOWN_SHAPES["tinyllama-1.1b"]
     tight = make_plan(H100, model_shape=shape, memory_budget_gib=4.0, grad_accum=8, precision="fp16")
@@ -300,3 +300,19 @@ def test_input_embeddings_go_to_host_ram_only_where_memory_is_tight_and_the_head
     assert two.layout == "ddp" and not two.embeddings_on_host
     cpu = make_plan(Hardware(ram_total_gib=16.0, ram_available_gib=12.0), model_shape=shape)
     assert not cpu.embeddings_on_host
+
+
+def test_the_plan_decides_once_whether_the_fused_layers_keep_8bit_absmax():
+    assert make_plan(T4, model_shape="qwen2.5-1.5b").keep_8bit_absmax  # fused, compiled, per-projection MLP
+    chunked = make_plan(T4, model_shape="qwen2.5-1.5b", max_length=32768, memory_budget_gib=4.0)
+    assert chunked.mlp_kernel == "chunked" and not chunked.keep_8bit_absmax  # the chunked op reads fp32 values
+    assert not make_plan(Hardware(ram_total_gib=16.0, ram_available_gib=12.0), model_shape="qwen2.5-1.5b").keep_8bit_absmax
+
+
+def test_planning_loads_no_run_time_module_until_it_probes_a_gpus_attention_kernel():
+    code = ("import sys; from freetune.plan import Hardware, make_plan; "
+            "make_plan(Hardware(ram_total_gib=16.0, ram_available_gib=12.0), model_shape='qwen2.5-1.5b'); "
+            "print(sorted(m for m in sys.modules if m in ('freetune.speed.attention', 'freetune.speed.lora_kernel', 'freetune.speed.mlp', "
+            "'freetune.train', 'freetune.trainer', 'freetune.model')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -129,7 +129,7 @@ def test_the_trainer_walks_the_model_once_for_its_flops_estimate_and_its_gradien
 
     import freetune
     from freetune.platform import Paths
-    from freetune.preflight import make_plan
+    from freetune.plan import make_plan
     from freetune.trainer import FreetuneTrainer
 
     plan = make_plan(micro_batch=2, grad_accum=1)

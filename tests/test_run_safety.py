@@ -197,7 +197,7 @@ def test_an_output_dir_that_cannot_be_written_says_so_before_anything_loads(tmp_
 # ---- disk -----------------------------------------------------------------------------------------------------------
 
 def test_the_disk_check_names_what_the_run_writes_and_what_to_change(tmp_path):
-    from freetune.preflight import Plan
+    from freetune.plan import Plan
 
     paths = Paths.under(tmp_path / "run").make()
     plan = Plan(device="cpu", compute_dtype="float32", mixed_precision="no", attn_implementation="sdpa",

@@ -26,7 +26,7 @@ def test_each_feature_module_exposes_one_feature_in_the_listed_order():
 def test_training_installs_the_chosen_features_in_order_says_why_one_steps_aside_and_undoes_them(
         tiny_model_dir, tmp_path, capsys):
     import freetune
-    from freetune.preflight import Plan
+    from freetune.plan import Plan
 
     plan = Plan(device="cpu", compute_dtype="float32", mixed_precision="no", attn_implementation="sdpa",
                 micro_batch=2, grad_accum=1, gradient_checkpointing=False, batching="padding_free",

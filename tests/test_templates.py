@@ -68,7 +68,7 @@ def test_every_assistant_turn_carries_labels_and_nothing_else_does(name, tiny_mo
     from transformers import AutoModelForCausalLM
     from trl import SFTTrainer
 
-    from freetune.preflight import Plan
+    from freetune.plan import Plan
     from freetune.train import make_config
 
     tokenizer = _tokenizer_with(tiny_model_dir, name)

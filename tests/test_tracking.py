@@ -35,7 +35,7 @@ def runs(tiny_model_dir, tmp_path_factory):
     import freetune
     from freetune.reach import peft_bnb as peft_bnb_reach
     from freetune.model import adapter_dtype_guard
-    from freetune.preflight import Plan
+    from freetune.plan import Plan
 
     root = tmp_path_factory.mktemp("tracking")
     common = dict(device="cpu", compute_dtype="float32", mixed_precision="no", attn_implementation="sdpa",
@@ -116,7 +116,7 @@ import json, sys
 from pathlib import Path
 sys.path.insert(0, sys.argv[2])
 import freetune
-from freetune.preflight import Plan
+from freetune.plan import Plan
 from test_fast_path import run_paths
 from test_tracking import rows
 

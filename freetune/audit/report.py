@@ -29,7 +29,7 @@ class AuditReport:
     @property
     def longest_row(self) -> int | None:
         """Tokens of the longest row (before any cleaning), None when no tokenizer counted them: what the memory
-        plan is sized for (freetune.preflight.replan)."""
+        plan is sized for (freetune.plan.replan)."""
         return self.tokens["sequence_tokens"]["max"] if self.tokens else None
 
     @property

@@ -23,7 +23,7 @@ SMALL_FILES = 50e6  # trainer state, scheduler, RNG, configs, the run's tokenize
 
 def _shape(model_id: str):
     """The model's shape from its config (a local folder, a known name, or the Hub cache); None if unknown."""
-    from freetune.memory import ModelShape
+    from freetune.plan import ModelShape
 
     try:
         return ModelShape.named(model_id)
@@ -46,7 +46,7 @@ def needed_bytes(params: dict, shape, optimizer: str) -> dict[str, float]:
         lora = shape.lora_params(params.get("lora_rank", 16), params.get("lora_targets", "all-linear"))
     except ValueError:  # a regular expression of module names: every linear layer bounds it
         lora = shape.lora_params(params.get("lora_rank", 16))
-    from freetune.memory import OPTIMIZER_STATE_BYTES
+    from freetune.plan.memory import OPTIMIZER_STATE_BYTES
 
     one_checkpoint = lora * (4 + OPTIMIZER_STATE_BYTES.get(optimizer, 8)) + SMALL_FILES  # fp32 adapter + its state
     parts = {"checkpoints": (params.get("save_total_limit", 3) + 1) * one_checkpoint,

@@ -37,7 +37,7 @@ def resolve_adapter_dir(adapter_dir: str | Path) -> Path:
 def load_for_comparison(base_model: str | Path, adapter_dir: str | Path, plan=None):
     """(peft model, tokenizer): the base 4-bit on a GPU (as it trained) or fp32 on a CPU, the adapter on top.
 
-    plan: the run's freetune.preflight.Plan, for its compute dtype (read from this machine when None).
+    plan: the run's freetune.plan.Plan, for its compute dtype (read from this machine when None).
     """
     import torch
     from peft import PeftModel
@@ -46,7 +46,7 @@ def load_for_comparison(base_model: str | Path, adapter_dir: str | Path, plan=No
     adapter_dir = resolve_adapter_dir(adapter_dir)
     if torch.cuda.is_available():
         from freetune.model import nf4_config
-        from freetune.preflight import make_plan
+        from freetune.plan import make_plan
 
         dtype = (plan or make_plan()).torch_dtype
         kwargs = dict(dtype=dtype, device_map={"": torch.cuda.current_device()}, quantization_config=nf4_config(dtype))

@@ -20,7 +20,7 @@ answers it (issue 8 has the measurements):
   GPU and reads them once per log step (same values in the log, a fraction of the syncs). The Trainer's other
   per-step syncs are off in freetune.train.make_config (the blocking batch copy, the NaN filter) and
   freetune.checkpoint.StopAgreement (the ranks' stop flag, read a step late).
-- The micro-batch and gradient checkpointing (freetune.preflight.make_plan: checkpointing is dropped when the
+- The micro-batch and gradient checkpointing (freetune.plan.make_plan: checkpointing is dropped when the
   memory estimate fits the full batch without it, the recompute costing ~30% of the step); the LoRA layers
   (freetune.speed.lora_kernel).
 - The loss head: TRL (>= 1.x) already scores tokens in tiles and never holds the (tokens x vocabulary) logits;
@@ -139,12 +139,12 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
 def refuse_what_varlen_drops(module, longest_row: int, kwargs: dict) -> None:
     """Raise where the variable-length kernels would compute something else than the model asks: they take the rows'
     boundaries only, no sliding window (harmless only where no row is longer) and no soft-capped logits. The plan steps
-    aside for such models (freetune.choices.varlen_why_not); this is the check that nothing else got here."""
+    aside for such models (freetune.plan.decisions.varlen_why_not); this is the check that nothing else got here."""
     window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
     if softcap or (window and window < longest_row):
         what = f"soft-capped logits ({softcap})" if softcap else f"a sliding window of {window} tokens"
         raise FreetuneError(f"{type(module).__name__} asks for {what}, which freetune's variable-length attention "
-                            f"cannot honour; plan this model with freetune.preflight.make_plan(model_shape=<its "
+                            f"cannot honour; plan this model with freetune.plan.make_plan(model_shape=<its "
                             f"model_id>), which steps padding-free batches aside for it")
 
 

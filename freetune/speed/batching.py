@@ -7,7 +7,7 @@ backward. Padding-free, the micro-batch's rows are concatenated into one sequenc
 freetune.speed.attention's variable-length kernels take the row boundaries directly, so no token attends across rows:
 the loss is the same as with padding. The concatenated row is padded to a multiple of 8 tokens by one row that trains
 nothing (`AlignedPaddingFree`): compiled layers recompile whenever the length's remainder mod 8 changes. The plan
-chooses the batching (freetune.choices.choose_batching); freetune.reach.trl.apply_batching switches TRL's collator to
+chooses the batching (freetune.plan.decisions.choose_batching); freetune.reach.trl.apply_batching switches TRL's collator to
 it.
 """
 

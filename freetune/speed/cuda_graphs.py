@@ -19,8 +19,8 @@ def why_not(model, plan, world_size: int, cast_once: bool) -> str | None:
     weights are cast once per forward into the same buffers (lora_kernel.cast_adapters_once_per_forward)."""
     import torch
 
-    from freetune.choices import graphs_why_not
-    from freetune.memory import ModelShape
+    from freetune.plan import ModelShape
+    from freetune.plan.decisions import graphs_why_not
 
     dropouts = [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
     config = getattr(model, "config", None)

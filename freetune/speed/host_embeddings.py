@@ -6,7 +6,7 @@ layers; Qwen3-8B's is 1.16 GiB. Kept in host RAM, each micro-batch's token ids a
 they select (tokens x hidden, 29 MiB for 7,000 tokens of TinyLlama) are copied to the GPU, from pinned memory, so the
 copy runs alongside the GPU's work. Unsloth does the same under memory pressure.
 
-Where the plan does it (freetune.choices.choose_embeddings): one GPU, every layer checkpointed, and an lm_head that is
+Where the plan does it (freetune.plan.sizing.choose_embeddings): one GPU, every layer checkpointed, and an lm_head that is
 a weight of its own (a tied head would need the table on the GPU for the loss anyway). freetune.train moves the table
 to the host when training begins (`at_train_begin`: after accelerate's prepare, which moves every parameter of a
 model loaded on one device back to it) and back afterwards (`to_gpu`), so generation, evaluation after training and

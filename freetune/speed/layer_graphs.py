@@ -32,7 +32,7 @@ call. torch.compile's own CUDA graphs (mode="reduce-overhead") do not survive a 
 
 The same arithmetic as transformers' checkpoint over the same compiled layers: the padding rows' gradients are zero
 (their labels are ignored and attention keeps rows apart), the loss is the same (tests/test_graphed_layers.py compares
-losses and gradients, on a CPU without graphs and on a GPU with them). Where it applies (freetune.choices): one CUDA
+losses and gradients, on a CPU without graphs and on a GPU with them). Where it applies (freetune.plan.decisions): one CUDA
 process, every layer checkpointed, compiled layers, fused LoRA layers with their weights cast once per forward, and no
 dropout (a graph replays the recompute with other random numbers than the forward drew).
 """
@@ -211,7 +211,7 @@ class GraphedLayers:
             differ = per_layer_difference(fn.keywords, self.first_keywords)
             raise ValueError(f"decoder layer {i} gets other keyword arguments than layer 0 ({differ}): "
                              f"the graphs replay layer 0's for every layer, which would compute another model. The "
-                             f"plan steps CUDA graphs aside for such models (freetune.choices.graphs_why_not)")
+                             f"plan steps CUDA graphs aside for such models (freetune.plan.decisions.graphs_why_not)")
         shape = self.shape
         ctx.shape, ctx.tokens, ctx.input_grad = shape, tokens, hidden.requires_grad
         source, target = self.hidden[i % 2, :tokens], self.hidden[(i + 1) % 2, :tokens]

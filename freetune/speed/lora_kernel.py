@@ -210,7 +210,7 @@ def _fused_forward(self, x, *args, **kwargs):
 def use_fused_lora(model, keep_8bit_absmax: bool = False) -> tuple[int, int]:
     """Give every fusable LoRA 4-bit layer of `model` the fused forward; returns (fused, LoRA layers seen).
     keep_8bit_absmax: double-quantised weights keep their 8-bit absmax values, for layers that will be compiled
-    (quant_args; freetune.memory.keeps_8bit_absmax says when the plan does so).
+    (quant_args; freetune.plan.memory.keeps_8bit_absmax says when the plan does so).
 
     Idempotent. The module's own forward stays reachable (type(module).forward) and takes over whenever the call
     is outside what the fused function does (evaluation, merged or disabled adapters, extra arguments)."""
@@ -263,7 +263,7 @@ def cast_adapters_once_per_forward(model, same_buffers: bool = False):
     One process only (train() asks): under DDP every gradient would reach its parameter at the very end of the
     backward, and the all-reduce of the first buckets could no longer overlap the rest of the backward. The 16-bit
     copies stay alive from the forward to the end of the backward (2 bytes per LoRA weight, counted by
-    freetune.memory.estimate).
+    freetune.plan.memory.estimate).
 
     same_buffers: the copies written into the same buffers at every forward (freetune.speed.cuda_graphs' CUDA graphs
     read them at fixed addresses); they then stay allocated between steps."""
@@ -359,12 +359,9 @@ def _applies(plan, trainer) -> tuple[bool, str]:
 def _install(trainer, plan):
     """The fused LoRA layers, their LoRA weights cast once per forward in one process (under DDP each gradient must
     reach its parameter as the backward goes, for the all-reduce to overlap it: cast_adapters_once_per_forward)."""
-    # How the plan keeps double-quantised absmax values (read from its memory arithmetic: freetune.memory).
-    from freetune.memory import keeps_8bit_absmax
-
     model = trainer.model
-    fused, seen = use_fused_lora(model, keep_8bit_absmax=keeps_8bit_absmax(plan.lora_kernel, plan.compile,
-                                                                           plan.mlp_kernel))
+    # How the double-quantised absmax values are kept: decided once by the plan (freetune.plan.memory).
+    fused, seen = use_fused_lora(model, keep_8bit_absmax=plan.keep_8bit_absmax)
     once = trainer.args.world_size == 1 and cast_adapters_once_per_forward(
         model, same_buffers=bool(plan.cuda_graph_tokens))  # graphs read them at fixed addresses
     print0(f"LoRA kernel: fused on {fused} of {seen} LoRA layers (freetune.speed.lora_kernel)"

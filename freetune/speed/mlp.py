@@ -28,7 +28,7 @@ cannot merge the backward's gate and up with the forward's (the partitioner woul
 "chunked" (qlora_mlp): the whole MLP as one op over chunks of CHUNK_TOKENS tokens, so that not even g and u exist for
 the whole micro-batch; it runs its chunks one after another, dozens of eager launches each, at about half the
 tokens/s. The plan takes it only where even one row of max_length would not fit with the traced function
-(freetune.choices.choose_mlp_kernel): long rows on a small card, which would else be cut.
+(freetune.plan.sizing.choose_mlp_kernel): long rows on a small card, which would else be cut.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ MLP_KERNEL_ATTR = "_freetune_mlp_kernel"
 CHUNK_ATTR = "_freetune_chunk"
 # The architectures (config.json's model_type) whose MLP class is one of freetune.reach.transformers.SWIGLU_MLPS:
 # separate gate, up and down projections with SiLU. The plan takes the fused MLP only for these
-# (freetune.choices.mlp_why_not): for any other (Phi-3's fused gate_up_proj, Gemma's GELU, a mixture of experts) it
+# (freetune.plan.decisions.mlp_why_not): for any other (Phi-3's fused gate_up_proj, Gemma's GELU, a mixture of experts) it
 # would fuse nothing, so it must not count its memory saving either.
 MLP_MODEL_TYPES = {"llama": "LlamaMLP", "qwen2": "Qwen2MLP", "qwen3": "Qwen3MLP", "mistral": "MistralMLP"}
 _OP: dict = {}  # "op": freetune::qlora_mlp, defined once per process

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from freetune.speed import lora_kernel, nf4
 
-# Tokens per chunk: four chunk-sized tensors of this many tokens x intermediate in the backward (freetune.memory
+# Tokens per chunk: four chunk-sized tensors of this many tokens x intermediate in the backward (freetune.plan.memory
 # counts them); smaller chunks add launches to a step bound by them.
 CHUNK_TOKENS = 2048
 

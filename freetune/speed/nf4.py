@@ -24,7 +24,7 @@ def quant_args(quant_state, keep_8bit_absmax: bool = False) -> tuple:
       code that inductor fuses into one kernel (_dequantize).
     - otherwise the values are dequantised once, here, and kept in fp32 instead of the 8-bit ones (the caller drops
       those: freetune.reach.peft_bnb.single_quantised): +3 bytes per 64 weights (~61 MB for a 1.5B model).
-    freetune.memory.estimate counts either."""
+    freetune.plan.memory.estimate counts either."""
     absmax, table = quant_state.absmax, None
     if quant_state.nested:
         inner = quant_state.state2

@@ -4,7 +4,7 @@ Under DDP (and FSDP) the gradients are averaged once per optimizer step, so ever
 most tokens. With 8 random rows of 300-1,200 tokens per rank, two ranks' token counts differ by ~15% of the mean, so
 the slower one has ~7% more. `RankBalancedSampler` deals each optimizer step's rows (the same random rows any GPU
 count would take) out to the ranks so their token counts are equal to within a row, each micro-batch still holding
-exactly micro_batch rows (memory as planned). The plan chooses it under torchrun (freetune.choices.choose_sampler);
+exactly micro_batch rows (memory as planned). The plan chooses it under torchrun (freetune.plan.decisions.choose_sampler);
 freetune.trainer.FreetuneTrainer hands it to the Trainer.
 """
 

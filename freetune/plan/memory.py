@@ -27,11 +27,10 @@ take 11.6 GiB.
 
 from __future__ import annotations
 
-import json
 import math
-import re
-from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
+from dataclasses import asdict, dataclass, field
+
+from freetune.plan.shapes import ModelShape
 
 GIB = 2**30
 
@@ -69,231 +68,6 @@ TILE_TOKENS, TILE_VOCAB = 4096, 32768
 # unused blocks, about a tenth of what it hands out under a varying sequence length.
 CUDA_CONTEXT_GIB = 0.45
 ALLOCATOR_SLACK = 1.10
-
-ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The dimensions that decide memory: a decoder-only transformer with gated MLP and grouped-query attention."""
-
-    name: str
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    vocab: int
-    tied_embeddings: bool
-    head_dim: int | None = None      # None: hidden // heads (Qwen3 sets 128 explicitly)
-    qk_norm: bool = False            # Qwen3 normalises q and k per head
-    attention_bias: bool = False     # Qwen2 has q/k/v biases
-    # What the fast path must know of the architecture (freetune.choices steps a feature aside where it cannot honour
-    # it); all from the model's config.json.
-    model_type: str = ""
-    sliding_window: int | None = None   # tokens a sliding-window layer attends to (None: no layer slides)
-    attn_softcap: float | None = None   # attention logits soft-capped (Gemma-2): tanh(x / c) * c
-    final_softcap: float | None = None  # output logits soft-capped (Gemma-2)
-    layer_types: tuple = ()             # the layer types where layers differ ("full_attention", "sliding_attention")
-    # Mixture of experts: per layer `experts` MLPs of expert_intermediate width, experts_per_token of them per token.
-    # Their weights are 3-D parameters, not nn.Linear: bitsandbytes leaves them 16-bit.
-    experts: int = 0
-    expert_intermediate: int = 0
-    experts_per_token: int = 0
-
-    @property
-    def q_dim(self) -> int:
-        return self.heads * (self.head_dim or self.hidden // self.heads)
-
-    @property
-    def kv_dim(self) -> int:
-        return self.kv_heads * (self.head_dim or self.hidden // self.heads)
-
-    def describe(self) -> str:
-        """One line of what the plan must know of the model: its size and the architecture's particulars."""
-        parts = [f"{self.total_params / 1e9:.2f} B parameters", f"{self.layers} layers",
-                 "tied embeddings" if self.tied_embeddings else "untied embeddings"]
-        if self.experts:
-            parts.append(f"{self.experts} experts ({self.experts_per_token} per token, 16-bit)")
-        if self.sliding_window:
-            parts.append(f"sliding window {self.sliding_window}")
-        if self.attn_softcap:
-            parts.append(f"attention soft-cap {self.attn_softcap:g}")
-        return f"{self.name} ({self.model_type or 'unknown type'}: {', '.join(parts)})"
-
-    @property
-    def per_layer_arguments(self) -> bool:
-        """Whether decoder layers get different masks or rotary embeddings by layer type (Gemma-2/3 alternate sliding
-        and full attention)."""
-        return len(set(self.layer_types)) > 1
-
-    @property
-    def expert_params(self) -> int:
-        """The experts' weights (gate, up and down per expert, every layer): kept 16-bit, not in 4 bits."""
-        return self.layers * self.experts * 3 * self.hidden * self.expert_intermediate
-
-    def linear_dims(self) -> dict[str, tuple[int, int]]:
-        """(in_features, out_features) of each linear layer in one decoder layer. A mixture of experts' MLP is counted
-        at the width a token passes through (experts_per_token x expert_intermediate), for its activations."""
-        h, i = self.hidden, self.intermediate
-        if self.experts:
-            i = self.experts_per_token * self.expert_intermediate
-        return {"q_proj": (h, self.q_dim), "k_proj": (h, self.kv_dim), "v_proj": (h, self.kv_dim),
-                "o_proj": (self.q_dim, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
-
-    @property
-    def quantized_params(self) -> int:
-        """Weights of the decoder layers' linear layers: what bitsandbytes stores in 4 bits."""
-        return self.layers * sum(a * b for m, (a, b) in self.linear_dims().items()
-                                 if m in ATTENTION_MODULES or not self.experts)  # experts: in expert_params
-
-    @property
-    def other_params(self) -> int:
-        """Weights left in floating point: embeddings, an untied lm_head, norms, attention biases."""
-        head_dim = self.head_dim or self.hidden // self.heads
-        per_layer = 2 * self.hidden + (2 * head_dim if self.qk_norm else 0)
-        if self.attention_bias:
-            per_layer += self.q_dim + 2 * self.kv_dim
-        embeddings = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
-        router = self.layers * self.hidden * self.experts
-        return embeddings + self.layers * per_layer + self.hidden + self.expert_params + router
-
-    @property
-    def total_params(self) -> int:
-        return self.quantized_params + self.other_params
-
-    def lora_modules(self, targets: str | list[str] = "all-linear") -> list[str]:
-        if targets == "all-linear":
-            return list(LINEAR_MODULES)
-        names = [targets] if isinstance(targets, str) else list(targets)
-        unknown = [n for n in names if n not in LINEAR_MODULES]
-        if unknown:
-            raise ValueError(f"unknown LoRA target(s) {unknown}; expected 'all-linear' or names among "
-                             f"{list(LINEAR_MODULES)}")
-        return names
-
-    def lora_params(self, rank: int, targets: str | list[str] = "all-linear") -> int:
-        """Trainable LoRA parameters: rank x (in + out) per adapted linear layer."""
-        dims = self.linear_dims()
-        dense = self.layers * sum(rank * sum(dims[m]) for m in self.lora_modules(targets) if m in ATTENTION_MODULES
-                                  or not self.experts)
-        # peft 0.21's ParamWrapper on the experts' fused gate_up (2r per expert: hidden -> 2 x width) and down (r per
-        # expert: width -> hidden), and a LoRA on the router (hidden -> experts); counted against peft in
-        # tests/test_architectures.py
-        experts = (self.layers * rank * (self.experts * (3 * self.hidden + 5 * self.expert_intermediate)
-                                         + self.hidden + self.experts)
-                   if self.experts and targets == "all-linear" else 0)
-        return dense + experts
-
-    @classmethod
-    def from_config(cls, config, name: str | None = None) -> "ModelShape":
-        """From a transformers config (or its dict), e.g. AutoConfig.from_pretrained(folder)."""
-        cfg = _normalised(config) if isinstance(config, dict) else config.to_dict()
-        cfg = cfg.get("text_config") or cfg  # multimodal configs nest the language model's
-        model_type = cfg.get("model_type", "")
-        layer_types = tuple(cfg.get("layer_types") or ())
-        return cls(
-            name=name or cfg.get("_name_or_path") or model_type or "model",
-            hidden=cfg["hidden_size"],
-            intermediate=cfg["intermediate_size"],
-            layers=cfg["num_hidden_layers"],
-            heads=cfg["num_attention_heads"],
-            kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
-            vocab=cfg["vocab_size"],
-            tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            head_dim=cfg.get("head_dim"),
-            qk_norm=model_type.startswith("qwen3"),
-            attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-            model_type=model_type,
-            sliding_window=_sliding_window(cfg, layer_types),
-            attn_softcap=cfg.get("attn_logit_softcapping"),
-            final_softcap=cfg.get("final_logit_softcapping"),
-            layer_types=tuple(sorted(set(layer_types))) if len(set(layer_types)) > 1 else (),
-            experts=cfg.get("num_experts") or cfg.get("num_local_experts") or 0,
-            expert_intermediate=cfg.get("moe_intermediate_size") or (
-                cfg["intermediate_size"] if cfg.get("num_local_experts") else 0),
-            experts_per_token=cfg.get("num_experts_per_tok") or 0,
-        )
-
-    @classmethod
-    def named(cls, name_or_path: str) -> "ModelShape":
-        """A known public shape by name or hub id ('Qwen/Qwen2.5-Coder-1.5B-Instruct'), or a local model folder."""
-        path = Path(name_or_path).expanduser()
-        if (path / "config.json").is_file():
-            return cls.from_config(json.loads((path / "config.json").read_text()), name=path.name)
-        key = _shape_key(name_or_path)
-        if key in KNOWN_SHAPES:
-            return KNOWN_SHAPES[key]
-        raise KeyError(f"no known shape for {name_or_path!r}; known: {sorted(KNOWN_SHAPES)} (or give a folder "
-                       f"with a config.json, or ModelShape.from_config(AutoConfig.from_pretrained(...)))")
-
-
-def shape_of(model_id: str) -> tuple["ModelShape | None", str]:
-    """(the model's shape, where it came from) before any weights are downloaded: a local folder's config.json, else the
-    Hub's config.json alone (huggingface_hub caches it; the weights come later, if the plan lets them). Where the Hub
-    cannot be reached, the shape freetune keeps for a few hub ids (KNOWN_SHAPES, what offline tests plan with), else
-    (None, why): the plan then decides without a memory check and says so."""
-    path = Path(model_id).expanduser()
-    if (path / "config.json").is_file():
-        return ModelShape.from_config(json.loads((path / "config.json").read_text()), name=path.name), \
-            f"{path / 'config.json'}"
-    if path.exists() or "/" not in model_id:  # a folder without a config, or a name of KNOWN_SHAPES (tests, the CLI)
-        known = KNOWN_SHAPES.get(_shape_key(model_id))
-        return (known, "freetune's table of shapes") if known else (None, f"{model_id!r} has no config.json")
-    try:
-        from huggingface_hub import hf_hub_download
-
-        config = hf_hub_download(model_id, "config.json")
-    except Exception as exc:  # noqa: BLE001 - offline, a private repo without a token, a typo: the plan says which
-        why = f"its config.json could not be read from the Hub ({type(exc).__name__}: {str(exc)[:160]})"
-        known = KNOWN_SHAPES.get(_shape_key(model_id))
-        if known:
-            return known, f"freetune's table of shapes: {why}"
-        return None, why
-    return ModelShape.from_config(json.loads(Path(config).read_text()), name=model_id.rsplit("/", 1)[-1]), \
-        f"the Hub's config.json of {model_id}"
-
-
-def _normalised(config: dict) -> dict:
-    """A config.json's values as transformers' config class for its model_type fills them in (its defaults, e.g.
-    Gemma-3's tied embeddings, and what it derives, e.g. Gemma-3's layer_types from sliding_window_pattern); as they
-    are where transformers does not know the model_type."""
-    try:
-        from transformers import AutoConfig
-
-        return AutoConfig.for_model(**config).to_dict()
-    except Exception:  # noqa: BLE001 - an architecture this transformers does not know: the file's own values
-        return config
-
-
-def _sliding_window(cfg: dict, layer_types: tuple) -> int | None:
-    """The sliding window some layer uses, or None: Qwen2/3 carry a window in config.json but use it only with
-    use_sliding_window; a layer_types list without "sliding_attention" has none."""
-    window = cfg.get("sliding_window")
-    if not window or cfg.get("use_sliding_window") is False:
-        return None
-    if layer_types and "sliding_attention" not in layer_types:
-        return None
-    return int(window)
-
-
-def _shape_key(name: str) -> str:
-    """'Qwen/Qwen2.5-Coder-1.5B-Instruct' -> 'qwen2.5-coder-1.5b': instruct/chat variants share the base shape."""
-    key = name.rsplit("/", 1)[-1].lower()
-    return re.sub(r"-(instruct|chat|it|base)(-v[\d.]+)?$", "", key)
-
-
-# Public config.json values of the hub models the recipes name (random-weight copies are built from these).
-KNOWN_SHAPES = {
-    "qwen2.5-1.5b": ModelShape("Qwen2.5-1.5B", hidden=1536, intermediate=8960, layers=28, heads=12, kv_heads=2,
-                               vocab=151936, tied_embeddings=True, attention_bias=True, model_type="qwen2"),
-    "qwen3-8b": ModelShape("Qwen3-8B", hidden=4096, intermediate=12288, layers=36, heads=32, kv_heads=8,
-                           vocab=151936, tied_embeddings=False, head_dim=128, qk_norm=True, model_type="qwen3"),
-    "tinyllama-1.1b": ModelShape("TinyLlama-1.1B", hidden=2048, intermediate=5632, layers=22, heads=32, kv_heads=4,
-                                 vocab=32000, tied_embeddings=False, model_type="llama"),
-}
-KNOWN_SHAPES["qwen2.5-coder-1.5b"] = replace(KNOWN_SHAPES["qwen2.5-1.5b"], name="Qwen2.5-Coder-1.5B")
 
 
 @dataclass
@@ -353,11 +127,11 @@ def layer_activation_bytes(shape: ModelShape, *, lora_rank: int, lora_targets="a
 # Checkpointed layers' inputs still on the GPU when offloaded (TRL's activation offloading): the ones whose copy to
 # the host is in flight in the forward, and the ones fetched back ahead of their layer's backward.
 OFFLOAD_RESIDENT_LAYERS = 3
-# torch.compile'd decoder layers (freetune.kernels.compile_layers) save what the fused graph's backward needs, not
+# torch.compile'd decoder layers (freetune.speed.compiled_layers.compile_layers) save what the fused graph's backward needs, not
 # every eager op's inputs: measured on an H200 (docs/performance.md), a compiled Qwen2.5-1.5B layer holds
 # this share of the eager layer's counted bytes per token.
 COMPILED_ACTIVATION_SHARE = 0.34
-# freetune.kernels' fused LoRA layers save their input once (shared by the projections that read it) and dropout's
+# freetune.speed.lora_kernel' fused LoRA layers save their input once (shared by the projections that read it) and dropout's
 # 1-byte mask, where peft's layers keep each projection's dropped 16-bit copy: bytes per token less, per dimension.
 FUSED_DROPOUT_SAVING = dict(hidden=10, q=2, intermediate=2)
 # ... and, compiled, it saves each projection's dropout mask packed, 1 bit per input element instead of the byte these
@@ -367,33 +141,33 @@ PACKED_MASK_SAVING = 7 / 8
 
 
 def packed_mask_saving(shape: ModelShape, lora_targets="all-linear") -> float:
-    """Bytes per token per layer that freetune.kernels.pack_mask saves in a compiled layer: every adapted projection's
+    """Bytes per token per layer that freetune.speed.lora_kernel.pack_mask saves in a compiled layer: every adapted projection's
     mask, as bits."""
     dims = shape.linear_dims()
     return PACKED_MASK_SAVING * sum(dims[m][0] for m in shape.lora_modules(lora_targets))
 
 
-# freetune.fused_mlp's chunked op's backward: g, u, the activation's gradient and one more chunk-sized tensor at a time.
+# freetune.speed.mlp's chunked op's backward: g, u, the activation's gradient and one more chunk-sized tensor at a time.
 MLP_CHUNK_BUFFERS = 4
-# freetune.fused_mlp's traced function's backward: g and u for every token (d gate and d up take their place); the
+# freetune.speed.mlp's traced function's backward: g and u for every token (d gate and d up take their place); the
 # activation and its gradient a chunk at a time (mlp_chunk_bytes).
 TRACED_MLP_BUFFERS = 2
 TRACED_MLP_CHUNK_BUFFERS = 2
 
 
 def mlp_chunk_bytes(shape: ModelShape, compute_dtype: str = "bfloat16", mlp_kernel: str = "chunked") -> float:
-    """Bytes one layer's backward holds through freetune.fused_mlp whatever the token count: the chunked op, its
+    """Bytes one layer's backward holds through freetune.speed.mlp whatever the token count: the chunked op, its
     chunk-sized intermediate tensors (MLP_CHUNK_BUFFERS of CHUNK_TOKENS x intermediate) and the three dequantised
     weights; the traced function, TRACED_MLP_CHUNK_BUFFERS chunks (the activation and its gradient) and the down
     projection's dequantised weight (its per-token part is in activation_bytes_per_token). 0 for the per-projection MLP."""
-    from freetune.speed.mlp import CHUNK_TOKENS
+    if mlp_kernel not in ("chunked", "traced"):
+        return 0.0
+    from freetune.speed.mlp_ops import CHUNK_TOKENS  # only where the plan runs the fused MLP: it loads the kernels
 
     width = 2 if _is_16bit(compute_dtype) else 4
     if mlp_kernel == "chunked":
         return (MLP_CHUNK_BUFFERS * CHUNK_TOKENS + 3 * shape.hidden) * shape.intermediate * width
-    if mlp_kernel == "traced":
-        return (TRACED_MLP_CHUNK_BUFFERS * CHUNK_TOKENS + shape.hidden) * shape.intermediate * width
-    return 0.0
+    return (TRACED_MLP_CHUNK_BUFFERS * CHUNK_TOKENS + shape.hidden) * shape.intermediate * width
 
 
 def activation_bytes_per_token(shape: ModelShape, *, lora_rank: int, lora_targets="all-linear",
@@ -405,7 +179,7 @@ def activation_bytes_per_token(shape: ModelShape, *, lora_rank: int, lora_target
     backward reaches it, and what one layer's backward adds on top (with checkpointing its recompute, too). The loss
     head runs between the two: the peak is resident + the larger of the head and the transient part.
 
-    mlp_kernel "chunked" or "traced" (freetune.fused_mlp): the MLP saves only its down projection's dropout mask as bits
+    mlp_kernel "chunked" or "traced" (freetune.speed.mlp): the MLP saves only its down projection's dropout mask as bits
     per intermediate element; the chunked op's backward holds chunk-sized intermediate tensors (mlp_chunk_bytes,
     counted apart), the traced function's TRACED_MLP_BUFFERS of them per token."""
     c = ACTIVATION_BYTES["16" if _is_16bit(compute_dtype) else "32"]
@@ -465,7 +239,7 @@ def embedding_bytes(shape: ModelShape, frozen_dtype: str = "float32") -> int:
 
 
 def keeps_8bit_absmax(lora_kernel: str, compiled: bool, mlp_kernel: str) -> bool:
-    """Whether the fused LoRA layers keep double-quantised weights' absmax values 8-bit (freetune.kernels.quant_args:
+    """Whether the fused LoRA layers keep double-quantised weights' absmax values 8-bit (freetune.speed.nf4.quant_args:
     compiled layers decode them inside their dequantisation kernels), rather than an fp32 copy: where every use is
     in a compiled layer. The chunked MLP op runs outside the graph and reads fp32 values."""
     return lora_kernel == "fused" and compiled and mlp_kernel != "chunked"
@@ -487,15 +261,15 @@ def estimate(shape: ModelShape, *, max_length: int, micro_batch: int, lora_rank:
     unit, so they are not upcast to fp32), and each GPU also holds what FSDP gathers to compute: the root unit
     (embeddings, lm_head, final norm) and two decoder layers (the one running and the one prefetched).
 
-    lora_kernel "fused" (freetune.kernels, never under FSDP): each double-quantised weight keeps its absmax values
+    lora_kernel "fused" (freetune.speed.lora_kernel, never under FSDP): each double-quantised weight keeps its absmax values
     8-bit where keeps_8bit_absmax, else dequantised once to fp32 (4 bytes per 64 weights). mlp_kernel "chunked" or
-    "traced": freetune.fused_mlp. embeddings_on_host: an untied input embedding table in host RAM
-    (freetune.host_embeddings), off the GPU. cuda_graphs: freetune.graphed_layers' three buffers of the largest
+    "traced": freetune.speed.mlp. embeddings_on_host: an untied input embedding table in host RAM
+    (freetune.speed.host_embeddings), off the GPU. cuda_graphs: freetune.speed.cuda_graphs' three buffers of the largest
     batch's hidden states (two in turn for the layers, one for the gradient), held for the whole run.
     """
     tokens = micro_batch * max_length
     # Fused layers that are not compiled keep a double-quantised weight's absmax values in fp32 instead
-    # (freetune.kernels.quant_args): its memory is then a single-quantised one's.
+    # (freetune.speed.nf4.quant_args): its memory is then a single-quantised one's.
     fp32_absmax = lora_kernel == "fused" and shards == 1 and not keeps_8bit_absmax(lora_kernel, compiled, mlp_kernel)
     weights_4bit = shape.quantized_params * NF4_BYTES_PER_PARAM[double_quant and not fp32_absmax]
     # frozen_dtype float32: peft's prepare_model_for_kbit_training casts every non-4-bit parameter to fp32, whatever
@@ -506,7 +280,7 @@ def estimate(shape: ModelShape, *, max_length: int, micro_batch: int, lora_rank:
     trainable = shape.lora_params(lora_rank, lora_targets)
     # fp32 LoRA weights and fp32 gradients; under DDP the gradient buckets hold one more copy of the gradients; in one
     # process the fused layers' 16-bit copies of the weights, alive over each forward and backward
-    # (freetune.kernels.cast_adapters_once_per_forward).
+    # (freetune.speed.lora_kernel.cast_adapters_once_per_forward).
     cast_once = lora_kernel == "fused" and world_size == 1 and shards == 1
     lora = trainable * (4 + 4 + (4 if world_size > 1 else 0) + (2 if cast_once else 0))
     state_bytes = OPTIMIZER_STATE_BYTES.get(optimizer.lower(), 8)  # unknown optimizers: AdamW's 8, the safe side
