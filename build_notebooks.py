@@ -154,8 +154,8 @@ def intro_cell(name: str, target: str, prose: list[str]) -> nbformat.NotebookNod
 def next_steps_cell(name: str, target: str) -> nbformat.NotebookNode:
     return _markdown(
         "## Next steps\n"
-        "- **Try the adapter:** it is in the run folder printed above (`run.paths.adapter`); the Evaluate cells compare "
-        "it with the base model on held-out prompts.\n"
+        "- **Try the adapter:** it is in the run folder printed above (`run.paths.adapter`); the Evaluate cells "
+        "compare it with the base model on held-out prompts.\n"
         "- **Export for llama.cpp / Ollama:** set `export_gguf = True` and run all again. Training is not repeated: "
         "the run resumes at its last step.\n"
         f"- **Push to the Hub:** set `hub_repo = \"you/{name.replace('_', '-')}\"` and add your token to "
@@ -294,10 +294,12 @@ def _default(recipe: Path, name: str):
 
 
 def readme_table(recipes: Path = RECIPES) -> str:
-    """The README's table of recipes: one row per recipe, from its header's `readme:` and its parameters' defaults."""
+    """The README's table of recipes: one row per recipe (in the order of their `row:`), from its header's `readme:`
+    and its parameters' defaults."""
     rows = [TABLE_START, "| recipe | model | data | GPU | VRAM | time (defaults) | Colab | Kaggle |",
             "|---|---|---|---|---|---|---|---|"]
-    for recipe in sorted(recipes.glob("*.py")):
+    by_row = sorted(recipes.glob("*.py"), key=lambda r: (declared(r).get("readme", {}).get("row", 99), r.stem))
+    for recipe in by_row:
         row = declared(recipe).get("readme")
         if row is None:
             raise SystemExit(f"{recipe}: its header has no `freetune: readme:` (model, gpu, vram, time) for the "

@@ -4,7 +4,12 @@
 #     # What this recipe declares besides its cells, read by build_notebooks.py (the README's row),
 #     # scripts/run_recipe.py and the tests (--embedded: the tiny model's architecture, the bundled rows;
 #     # --real-model: the rows SmolLM2 trains on).
-#     readme: {model: "Qwen3-8B (4-bit)", gpu: "2 x T4 (DDP)", vram: "~6.5 GB per T4", time: "~19 s/step published on T4 x2; 200 steps ~65 min"}
+#     readme:
+#       row: 2
+#       model: "Qwen3-8B (4-bit)"
+#       gpu: "2 x T4 (DDP)"
+#       vram: "~6.5 GB per T4"
+#       time: "~19 s/step published on T4 x2; 200 steps ~65 min"
 #     embedded: {architecture: qwen3, sample: home_assistant}
 #   jupytext:
 #     text_representation:

@@ -4,7 +4,12 @@
 #     # What this recipe declares besides its cells, read by build_notebooks.py (the README's row),
 #     # scripts/run_recipe.py and the tests (--embedded: the tiny model's architecture, the bundled rows;
 #     # --real-model: the rows SmolLM2 trains on).
-#     readme: {model: "Qwen2.5-Coder-1.5B-Instruct", gpu: "1 x T4", vram: "~6 GB", time: "~40 min, 300 steps"}
+#     readme:
+#       row: 1
+#       model: "Qwen2.5-Coder-1.5B-Instruct"
+#       gpu: "1 x T4"
+#       vram: "~6 GB"
+#       time: "~40 min, 300 steps"
 #     embedded: {architecture: qwen2, sample: svg}
 #     real_model: {sample: svg_short}
 #   jupytext:

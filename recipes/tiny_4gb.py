@@ -4,7 +4,12 @@
 #     # What this recipe declares besides its cells, read by build_notebooks.py (the README's row),
 #     # scripts/run_recipe.py and the tests (--embedded: the tiny model's architecture, the bundled rows;
 #     # --real-model: the rows SmolLM2 trains on).
-#     readme: {model: "TinyLlama-1.1B-Chat-v1.0", gpu: "any 4 GB card", vram: "< 3.75 GiB peak", time: "~25 min, 200 steps"}
+#     readme:
+#       row: 3
+#       model: "TinyLlama-1.1B-Chat-v1.0"
+#       gpu: "any 4 GB card"
+#       vram: "< 3.75 GiB peak"
+#       time: "~25 min, 200 steps"
 #     embedded: {architecture: llama, sample: alpaca}
 #   jupytext:
 #     text_representation:
