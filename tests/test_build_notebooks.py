@@ -222,3 +222,18 @@ def test_papermill_help_lists_the_chat_template_eval_and_logging_parameters(reci
     for line in source.splitlines():
         if line.split(":")[0] in NEW_PARAMETERS:
             assert len(line) <= 100, line
+
+
+def test_every_recipe_tells_the_same_story_in_code():
+    """What varies between recipes is their prose, parameters and header; the code cells are the one story, in the
+    same order (a recipe may add a cell of its own, e.g. svg_coder's side-by-side picture). A change to the story is
+    made in every recipe, or the drift shows here."""
+    stories = {recipe: [c.source for c in jupytext.read(REPO / "recipes" / f"{recipe}.py").cells
+                        if c.cell_type == "code" and "parameters" not in c.metadata.get("tags", [])]
+               for recipe in RECIPES}
+    shared = [cell for cell in stories[RECIPES[0]] if all(cell in story for story in stories.values())]
+    assert len(shared) >= 9, shared
+    for recipe, story in stories.items():
+        assert [cell for cell in story if cell in shared] == shared, recipe
+        own = [cell for cell in story if cell not in shared]
+        assert len(own) <= 1, (recipe, own)
