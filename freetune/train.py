@@ -293,7 +293,7 @@ def train(model, tokenizer, train_dataset, config, *, paths: Paths, plan: Plan |
 
     plan = _plan_of(config, plan)
     eval_dataset = _rows_to_train(train_dataset, eval_dataset, config)
-    if context().is_main:  # a no-op where the notebook's paths cell (or a process above this one) holds it
+    if context().is_main:  # a no-op where the notebook's run cell (or a process above this one) holds it
         checkpoint.lock.acquire(paths.run_dir)
     budget_s, budget_text = checkpoint.time_budget(time_budget_min, paths.platform)
     hub = None

@@ -114,10 +114,11 @@ def embedded_parameters(recipe: str, real_model: bool = False, target: str = "co
     kind = "real_model" if real_model else "embedded"
     spec = declared(notebook).get(kind)
     if spec is None:
+        known = sorted(p.stem for p in (ROOT / "notebooks" / target).glob("*.ipynb") if kind in declared(p))
         more = (" For another recipe: --embedded -p model_id <the model's folder> -p learning_rate 1e-3"
                 if real_model else "")
-        raise SystemExit(f"recipe {recipe!r} declares no `{kind}:` in its header (recipes/<name>.py, under "
-                         f"`freetune:`).{more}")
+        raise SystemExit(f"no {kind.replace('_', '-')} default for recipe {recipe!r}; known: {known} (a recipe "
+                         f"declares one in its header, under `freetune:` `{kind}:`).{more}")
     if real_model:
         return {"model_id": str(cached_smollm2()), "dataset": sample_path(spec["sample"], notebook), **REAL_MODEL_CPU}
     model_dir = cached_tiny_model(spec["architecture"])
