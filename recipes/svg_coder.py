@@ -105,6 +105,9 @@ hub_repo: str = ""  # private Hub repo to push the adapter to, e.g. "you/svg-cod
 # Reads the machine before anything is loaded: GPU, compute capability, memory, disk. It refuses a GPU the
 # installed PyTorch cannot run (Kaggle's P100) and picks the precision: fp16 on a T4 (no fast bf16 there),
 # bf16 on Ampere and newer, fp32 on a CPU, each with its reason.
+#
+# Your parameters become one record, `run`, and every later cell reads its settings from it (`run.lora_rank`,
+# `run.plan`, `run.paths`): to change a setting, change the parameters cell and run everything again.
 
 # %% tags=["run"]
 import freetune
