@@ -69,3 +69,21 @@ def test_train_reads_the_plan_from_its_config_and_refuses_another(tmp_path):
     other = dataclasses.replace(plan, micro_batch=4)
     with pytest.raises(FreetuneError, match="a plan other than the one its config was made from"):
         train(None, None, [], config, paths=paths, plan=other)
+
+
+def test_the_system_prompt_goes_one_way_whatever_the_rows_hold():
+    """Every recipe gives its system prompt through data.as_chat: plain prompt/completion rows become chats that
+    start with it, conversations without a system turn get it, and rows that carry their own keep theirs."""
+    import datasets
+
+    from freetune import data
+
+    plain = datasets.Dataset.from_list([{"prompt": "Draw a cat", "completion": "<svg/>"}])
+    chats = datasets.Dataset.from_list([
+        {"messages": [{"role": "user", "content": "lights off"}, {"role": "assistant", "content": "{}"}]},
+        {"messages": [{"role": "system", "content": "devices: lamp"}, {"role": "user", "content": "on"},
+                      {"role": "assistant", "content": "{}"}]}])
+    assert data.as_chat(plain, "Be brief.")[0]["prompt"][0] == {"role": "system", "content": "Be brief."}
+    firsts = [row["messages"][0]["content"] for row in data.as_chat(chats, "Be brief.")]
+    assert firsts == ["Be brief.", "devices: lamp"]
+    assert data.as_chat(chats, "")[0]["messages"][0]["role"] == "user"  # no system prompt: the rows as they are
