@@ -226,7 +226,7 @@ def test_a_base_model_with_sharegpt_rows_trains_on_a_named_template_and_logs_to_
 
 def test_a_fourth_recipe_is_one_file_that_builds_checks_and_runs(tmp_path):
     """A new recipe: one file (its header declares the README row and what --embedded runs it on; its parameters
-    cell the task), built, checked and run headless. ~90 s on 2 cores (4 steps of the tiny Llama)."""
+    cell the task), built, checked and run headless: ~3 min on 2 shared cores (~100 s of CPU; 4 steps, tiny Qwen2)."""
     import subprocess
     import sys
 
