@@ -235,7 +235,8 @@ def test_a_fourth_recipe_is_one_file_that_builds_checks_and_runs(tmp_path):
     source = (REPO / "recipes" / "tiny_4gb.py").read_text()
     recipe = (source.replace("# # Tiny 4 GB: fine-tune TinyLlama-1.1B-Chat on a 4 GB card", "# # Echo: a fourth recipe")
               .replace('run_name: str = "tiny-4gb"', 'run_name: str = "echo"')
-              .replace("embedded: {architecture: llama, sample: alpaca}", "embedded: {architecture: qwen2, sample: svg}")
+              .replace("embedded: {architecture: llama, sample: alpaca}",
+                       "embedded: {architecture: qwen2, sample: svg}")
               .replace('task: str = ""', 'task: str = "svg"'))
     assert recipe.count("echo") == 1 and "sample: svg" in recipe and 'task: str = "svg"' in recipe
     (tmp_path / "recipes").mkdir()
