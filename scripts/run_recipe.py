@@ -98,12 +98,12 @@ def declared(notebook: Path) -> dict:
     return nbformat.read(notebook, as_version=4).metadata.get("freetune", {})
 
 
-def sample_path(sample: str, notebook: Path) -> str:
-    """A bundled sample's name (freetune/sample_data), or a file named relative to the recipe's notebook."""
+def sample_path(sample: str) -> str:
+    """A bundled sample's name (freetune/sample_data), or a data file's path (absolute, or from the repository root)."""
     from freetune.fixtures import sample_data_path
 
     if Path(sample).suffix:
-        return str((notebook.parent / sample).resolve())
+        return str((ROOT / sample).resolve())
     return str(sample_data_path(sample))
 
 
@@ -120,9 +120,9 @@ def embedded_parameters(recipe: str, real_model: bool = False, target: str = "co
         raise SystemExit(f"no {kind.replace('_', '-')} default for recipe {recipe!r}; known: {known} (a recipe "
                          f"declares one in its header, under `freetune:` `{kind}:`).{more}")
     if real_model:
-        return {"model_id": str(cached_smollm2()), "dataset": sample_path(spec["sample"], notebook), **REAL_MODEL_CPU}
+        return {"model_id": str(cached_smollm2()), "dataset": sample_path(spec["sample"]), **REAL_MODEL_CPU}
     model_dir = cached_tiny_model(spec["architecture"])
-    return {"model_id": str(model_dir), "dataset": sample_path(spec["sample"], notebook), **CPU_SIZED}
+    return {"model_id": str(model_dir), "dataset": sample_path(spec["sample"]), **CPU_SIZED}
 
 
 def failing_cell(notebook_path: Path) -> str:
