@@ -6,14 +6,18 @@
 The recipes (recipes/*.py, percent format) are the source of truth. The builder changes only cells the recipe
 tags explicitly, using the platform table in freetune/platform.py:
   install  -> the pinned install for that platform, rendered from pyproject.toml (torch is never reinstalled)
-  paths    -> `target=None` becomes `target="<platform>"` so the notebook knows what it was built for
+  run      -> `recipe=None, target=None` becomes `recipe="<name>", target="<platform>"` in the cell that makes
+              the run's one record (freetune.RunConfig), so the notebook knows what it was built from and for
   train    -> Colab: run inline. Kaggle: collected into one `%%writefile train_ddp.py` cell (the code exists
-              once, in the recipe), followed by a cell that writes the job file and launches torchrun; the
-              section's prose (from its heading on) becomes one cell above them.
+              once, in the recipe), followed by a cell that saves the run (RunConfig, the job file the script
+              reads) and launches torchrun; the section's prose (from its heading on) becomes one cell above them.
   colab, kaggle -> the cell is in that target's notebook only (say what holds there: its GPU, its menus).
 Around the recipe's cells: the first cell is the recipe's opening prose with "Open in Colab" / "Open in Kaggle"
 badges and what to set before "Run all" (from the platform table); the last two are "Next steps" and, for
 contributors, which recipe the notebook is generated from (also in the notebook metadata, under "freetune").
+What a recipe declares besides its cells sits in its header, under `freetune:` (the README's row, what
+scripts/run_recipe.py --embedded / --real-model run it on); it goes into the notebook's metadata, and the README's
+recipe table is rendered from it (`--check` fails when the table differs).
 Output is deterministic: no outputs, no execution counts, stable cell ids and metadata, no timestamps.
 """
 
@@ -38,6 +42,10 @@ TARGETS = ("colab", "kaggle")
 
 KERNELSPEC = {"name": "python3", "display_name": "Python 3", "language": "python"}
 MAX_PARAMETER_LINE = 100  # the parameters cell is read without scrolling sideways
+RUN_SLOTS = "recipe=None, target=None"  # what the builder fills in the cell tagged `run`
+README = ROOT / "README.md"
+TABLE_START = "<!-- recipes table: rendered by build_notebooks.py from each recipe's header -->"
+TABLE_END = "<!-- end of recipes table -->"
 
 
 @functools.cache
@@ -146,8 +154,8 @@ def intro_cell(name: str, target: str, prose: list[str]) -> nbformat.NotebookNod
 def next_steps_cell(name: str, target: str) -> nbformat.NotebookNode:
     return _markdown(
         "## Next steps\n"
-        "- **Try the adapter:** it is in the run folder printed above (`paths.adapter`); the Evaluate cells compare "
-        "it with the base model on held-out prompts.\n"
+        "- **Try the adapter:** it is in the run folder printed above (`run.paths.adapter`); the Evaluate cells "
+        "compare it with the base model on held-out prompts.\n"
         "- **Export for llama.cpp / Ollama:** set `export_gguf = True` and run all again. Training is not repeated: "
         "the run resumes at its last step.\n"
         f"- **Push to the Hub:** set `hub_repo = \"you/{name.replace('_', '-')}\"` and add your token to "
@@ -163,21 +171,17 @@ def generated_from_cell(name: str, target: str) -> nbformat.NotebookNode:
                      f"({PLATFORMS[target].gpus}); edit that file, then run `python build_notebooks.py`.*")
 
 
-def kaggle_train_cells(recipe_name: str, train_sources: list[str], names: list[str], prose: list[str]) -> list:
+def kaggle_train_cells(recipe_name: str, train_sources: list[str], prose: list[str]) -> list:
     header = (f"# Generated from recipes/{recipe_name}.py by build_notebooks.py: edit the recipe, not this cell.\n"
-              "# torchrun starts this script once per GPU; the notebook wrote the job file it reads.\n"
+              "# torchrun starts this script once per GPU; each reads the run the notebook saved (parameters,\n"
+              "# folders, plan): the same record the notebook's cells read.\n"
               "import sys\n\nimport freetune\n\n"
-              "job = freetune.launch.load_job(sys.argv[1])\n"
-              "globals().update(job.parameters)\n"
-              "params, paths, plan = job.parameters, job.paths, job.plan\n")
+              "run = freetune.RunConfig.load(sys.argv[1])\n")
     body = "\n\n".join(src.strip() for src in train_sources)
     script = f"%%writefile train_ddp.py\n{header}\n{body}\n"
-    params = "".join(f"\n        {n!r}: {n}," for n in names)
-    nproc = "ddp_processes" if "ddp_processes" in names else "0"
-    launch = (f"# Generated: run the training cells above on every visible GPU, one process each (DDP).\n"
-              f"job_file = freetune.launch.write_job(\n    f\"{{paths.run_dir}}/train_ddp.json\",\n"
-              f"    parameters={{{params}\n    }},\n    paths=paths,\n    plan=plan,\n)\n"
-              f"freetune.launch.run_torchrun(\"train_ddp.py\", job_file, nproc={nproc})")
+    launch = ("# Generated: run the training cells above on every visible GPU, one process each (DDP).\n"
+              "job_file = run.save(f\"{run.paths.run_dir}/train_ddp.json\")  # the run, for the script to read\n"
+              "freetune.launch.run_torchrun(\"train_ddp.py\", job_file, nproc=run.ddp_processes)")
     explain = ("## Model and training: one script on every GPU\n"
                "Kaggle runs the training cells as a script on both GPUs. The cell below writes them to "
                "`train_ddp.py`; the next one launches it with `torchrun --standalone --nproc_per_node=<GPUs>`, "
@@ -245,21 +249,23 @@ def render(recipe: Path, target: str) -> nbformat.NotebookNode:
             cells.append(_code(cell.source, ["parameters"]))
         elif "install" in tags:
             cells.append(_code(render_install(target), ["install"]))
-        elif "paths" in tags:
-            if "target=None" not in cell.source:
-                raise SystemExit(f"{recipe}: the cell tagged `paths` must call resolve_paths(target=None, ...)")
-            cells.append(_code(cell.source.replace("target=None", f"target={target!r}"), ["paths"]))
+        elif "run" in tags:
+            if RUN_SLOTS not in cell.source:
+                raise SystemExit(f"{recipe}: the cell tagged `run` must call "
+                                 f"freetune.RunConfig.from_cell(globals(), {RUN_SLOTS})")
+            filled = cell.source.replace(RUN_SLOTS, f"recipe={name!r}, target={target!r}")
+            cells.append(_code(filled.replace(" build_notebooks.py fills in recipe and target.", ""), ["run"]))
         elif "train" in tags and platform.launches_ddp:
             if not train_sources:
                 prose = _section_prose(cells)
             train_sources.append(cell.source)
         else:
             if train_sources and not train_done and platform.launches_ddp:
-                cells += kaggle_train_cells(name, train_sources, names, prose)
+                cells += kaggle_train_cells(name, train_sources, prose)
                 train_done = True
             cells.append(_code(cell.source, tags))
     if train_sources and not train_done:
-        cells += kaggle_train_cells(name, train_sources, names, prose)
+        cells += kaggle_train_cells(name, train_sources, prose)
     if not names:
         raise SystemExit(f"{recipe}: no cell is tagged `parameters` (the first code cell must be)")
     cells += [next_steps_cell(name, target), generated_from_cell(name, target)]
@@ -267,43 +273,86 @@ def render(recipe: Path, target: str) -> nbformat.NotebookNode:
     nb = nbformat.v4.new_notebook(cells=cells)
     nb.metadata = {"kernelspec": KERNELSPEC, "language_info": {"name": "python"}, **platform.metadata,
                    "freetune": {"generated_from": f"recipes/{name}.py", "target": target,
-                                "edit": "the recipe, then run `python build_notebooks.py`; not this notebook"}}
+                                "edit": "the recipe, then run `python build_notebooks.py`; not this notebook",
+                                **source_nb.metadata.get("freetune", {})}}
     for index, cell in enumerate(nb.cells):
         cell.id = f"{name.replace('_', '-')}-{index:02d}"
     nbformat.validate(nb)
     return nb
 
 
-def expected_files() -> dict[Path, str]:
+def declared(recipe: Path) -> dict:
+    """What a recipe declares besides its cells: its header's `freetune:` block (readme, embedded, real_model)."""
+    return dict(jupytext.read(recipe, fmt="py:percent").metadata.get("freetune", {}))
+
+
+def _default(recipe: Path, name: str):
+    source = next(c.source for c in jupytext.read(recipe, fmt="py:percent").cells
+                  if "parameters" in c.metadata.get("tags", []))
+    return next(ast.literal_eval(node.value) for node in ast.parse(source).body
+                if isinstance(node, ast.AnnAssign) and node.target.id == name)
+
+
+def readme_table(recipes: Path = RECIPES) -> str:
+    """The README's table of recipes: one row per recipe (in the order of their `row:`), from its header's `readme:`
+    and its parameters' defaults."""
+    rows = [TABLE_START, "| recipe | model | data | GPU | VRAM | time (defaults) | Colab | Kaggle |",
+            "|---|---|---|---|---|---|---|---|"]
+    by_row = sorted(recipes.glob("*.py"), key=lambda r: (declared(r).get("readme", {}).get("row", 99), r.stem))
+    for recipe in by_row:
+        row = declared(recipe).get("readme")
+        if row is None:
+            raise SystemExit(f"{recipe}: its header has no `freetune: readme:` (model, gpu, vram, time) for the "
+                             f"README's table")
+        name = recipe.stem
+        rows.append(f"| [{name}](recipes/{name}.py) | {row['model']} | {_default(recipe, 'dataset')} | {row['gpu']} "
+                    f"| {row['vram']} | {row['time']} | {badge(name, 'colab')} | {badge(name, 'kaggle')} |")
+    return "\n".join([*rows, TABLE_END])
+
+
+def readme_with_table(readme: str, table: str) -> str:
+    if TABLE_START not in readme or TABLE_END not in readme:
+        raise SystemExit(f"README.md has lost its table markers ({TABLE_START!r} ... {TABLE_END!r})")
+    before, rest = readme.split(TABLE_START, 1)
+    return before + table + rest.split(TABLE_END, 1)[1]
+
+
+def expected_files(recipes: Path = RECIPES, notebooks: Path = NOTEBOOKS) -> dict[Path, str]:
     files = {}
-    for recipe in sorted(RECIPES.glob("*.py")):
+    for recipe in sorted(recipes.glob("*.py")):
         for target in TARGETS:
-            files[NOTEBOOKS / target / f"{recipe.stem}.ipynb"] = nbformat.writes(render(recipe, target)) + "\n"
+            files[notebooks / target / f"{recipe.stem}.ipynb"] = nbformat.writes(render(recipe, target)) + "\n"
+    if recipes == RECIPES:  # the repository's own recipes: the README's table is theirs
+        files[README] = readme_with_table(README.read_text(), readme_table(recipes))
     return files
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="fail (exit 1) if any notebook is out of date")
+    parser.add_argument("--recipes", type=Path, default=RECIPES, help="folder of recipes (default: recipes/)")
+    parser.add_argument("--notebooks", type=Path, default=NOTEBOOKS, help="folder to write (default: notebooks/)")
     args = parser.parse_args(argv)
-    files = expected_files()
+    recipes, notebooks = args.recipes.resolve(), args.notebooks.resolve()
+    files = expected_files(recipes, notebooks)
+    shown = lambda path: path.relative_to(ROOT) if path.is_relative_to(ROOT) else path  # noqa: E731
     if args.check:
         stale = [p for p, text in files.items() if not p.exists() or p.read_text() != text]
-        generated = {p for p in NOTEBOOKS.glob("*/*.ipynb")}
+        generated = {p for p in notebooks.glob("*/*.ipynb")}
         orphans = sorted(generated - set(files))
         for path in stale:
-            print(f"stale: {path.relative_to(ROOT)} (rebuild with: python build_notebooks.py)")
+            print(f"stale: {shown(path)} (rebuild with: python build_notebooks.py)")
         for path in orphans:
-            print(f"orphan: {path.relative_to(ROOT)} has no recipe (delete it)")
+            print(f"orphan: {shown(path)} has no recipe (delete it)")
         if stale or orphans:
             return 1
-        print(f"{len(files)} notebooks up to date")
+        print(f"{len(files)} files up to date")
         return 0
     for path, text in files.items():
         path.parent.mkdir(parents=True, exist_ok=True)
         if not path.exists() or path.read_text() != text:
             path.write_text(text)
-            print(f"wrote {path.relative_to(ROOT)}")
+            print(f"wrote {shown(path)}")
     return 0
 
 

@@ -3,6 +3,7 @@
 Modules, in the order a recipe uses them:
   console      what the notebook shows: errors as messages, no library progress bars, one duration format
   params       check the parameters cell's values against their declared types
+  run_config   RunConfig: the checked parameters, folders and plan in one record (also Kaggle's job file)
   platform     Colab / Kaggle / local differences as one table (paths, secrets, install)
   plan         the machine check and the training plan (dtype, precision, attention, layout, batch), decided in
                short steps (every choose_*: a Decision, value and reason); for_world re-decides it for a torchrun job
@@ -51,7 +52,7 @@ logging.getLogger("transformers.trainer_utils").addFilter(
 
 _SUBMODULES = {"params", "platform", "plan", "data", "audit", "model", "train", "trainer",
                "distributed", "launch", "checkpoint", "evaluate", "tasks", "export", "secrets", "fixtures",
-               "templates", "tracking", "chat", "resources"}
+               "templates", "tracking", "chat", "resources", "run_config"}
 
 
 # A notebook shows freetune's lines and its errors' messages, not the libraries' bars and chained tracebacks.
@@ -64,4 +65,6 @@ def __getattr__(name):
     # import line and importing freetune stays cheap (no torch until a step needs it).
     if name in _SUBMODULES:
         return importlib.import_module(f"freetune.{name}")
+    if name == "RunConfig":  # the run's settings, the one record every notebook cell reads (freetune.run_config)
+        return importlib.import_module("freetune.run_config").RunConfig
     raise AttributeError(f"module 'freetune' has no attribute {name!r}")

@@ -278,9 +278,21 @@ def normalize(dataset, columns: dict[str, str | list[str]] | None = None, system
 
 
 def as_chat(dataset, system_prompt: str | None = None):
-    """prompt/completion strings -> one-turn chats, so an instruct model trains on its own chat template."""
+    """Normalised rows as chats, each with the system prompt: prompt/completion strings -> one-turn chats, so an
+    instruct model trains on its own chat template; conversations without a system turn get the system prompt
+    as their first turn (rows that carry their own keep it). The one way a recipe gives the system prompt."""
     if "messages" in dataset.column_names or not isinstance(dataset[0]["prompt"], str):
-        return dataset
+        if not system_prompt:
+            return dataset
+        column = "messages" if "messages" in dataset.column_names else "prompt"
+
+        def add_system(example):
+            turns = example[column]
+            if turns and turns[0]["role"] != "system":
+                turns = [{"role": "system", "content": system_prompt}] + turns
+            return {column: turns}
+
+        return dataset.map(add_system, desc="Adding the system prompt")
 
     def wrap(example):
         prompt = [{"role": "user", "content": example["prompt"]}]

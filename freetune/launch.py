@@ -2,21 +2,19 @@
 output into the notebook live, and fail the cell with the failing rank's error when any rank fails.
 
 The notebook kernel decides everything first (parameters, folders, the preflight plan, the audited data) and
-hands it to the ranks in one JSON job file beside the script, so every rank trains on exactly what the notebook
-showed. torchrun (PyTorch's own launcher) starts the processes; nothing here re-implements it.
+hands it to the ranks in one JSON job file beside the script (freetune.run_config.RunConfig: `run.save(path)` in
+the notebook, `RunConfig.load(path)` in each rank), so every rank trains on exactly what the notebook showed.
+torchrun (PyTorch's own launcher) starts the processes; nothing here re-implements it.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 import re
 import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 from freetune.console import duration
 from freetune.errors import FreetuneError
@@ -24,28 +22,6 @@ from freetune.errors import FreetuneError
 RANK0_PREFIX = "[default0]:"  # what torchrun's --tee puts before each line of local rank 0 (role "default")
 LAUNCHER_LOG = "torchrun.log"  # torchrun's own messages, kept out of the notebook
 FREETUNE_ERROR = "\nfreetune.errors.FreetuneError: "  # a rank's traceback ends in one: its message is what counts
-
-
-def write_job(path: str | Path, parameters: dict, paths, plan) -> Path:
-    """Write what the ranks need (parameter values, folders, the plan) as JSON next to the script."""
-    job = {"parameters": parameters, "paths": dataclasses.asdict(paths), "plan": dataclasses.asdict(plan)}
-    path = Path(path)
-    path.write_text(json.dumps(job, indent=2, sort_keys=True, default=str))
-    return path
-
-
-def load_job(path: str | Path) -> SimpleNamespace:
-    """Read the job file inside train_ddp.py: .parameters (dict), .paths (Paths), .plan (Plan)."""
-    from freetune.platform import Paths
-    from freetune.plan import Plan, for_world
-
-    job = json.loads(Path(path).read_text())
-    plan_fields = {f.name for f in dataclasses.fields(Plan) if f.init}
-    # The memory estimate is for display in the notebook; the ranks need only the decisions.
-    plan = Plan(**{k: v for k, v in job["plan"].items() if k in plan_fields and k != "memory"})
-    # The notebook planned for its own machine; the job's size is known only here (several hosts, or CPU ranks).
-    plan = for_world(plan, int(os.environ.get("WORLD_SIZE", "1")))
-    return SimpleNamespace(parameters=job["parameters"], paths=Paths(**job["paths"]), plan=plan)
 
 
 def visible_gpus() -> int:

@@ -75,6 +75,14 @@ def _columns(value: dict) -> str | None:
     return f"maps {bad} to something other than a column name or a list of them" if bad else None
 
 
+def _task(value: str) -> str | None:
+    from freetune.tasks import TASK_NAMES
+
+    if value == "" or value in TASK_NAMES:
+        return None
+    return f"must be '' (text checks only) or one of {', '.join(map(repr, TASK_NAMES))}"
+
+
 def _optimizer(value: str) -> str | None:
     from transformers.training_args import OptimizerNames
 
@@ -92,6 +100,7 @@ RULES: dict[str, Rule] = {
     "dataset": _not_empty("a hub id, or a local .jsonl/.json/.csv/.parquet file or folder"),
     "dataset_split": _not_empty("the split to read, usually 'train'"),
     "columns": _columns,
+    "task": _task,
     "eval_rows": at_least(1, "the evaluation at the end generates from held-out rows; 16 is plenty"),
     "max_steps": at_least(1, "the optimizer steps to train, e.g. 300; the Trainer reads -1 as a whole epoch"),
     "micro_batch": at_least(0, "rows per forward pass; 0 lets the preflight pick the largest that fits"),

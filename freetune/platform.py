@@ -1,6 +1,6 @@
 """Colab, Kaggle and a local machine differ in a handful of facts; they live here, as one table.
 
-build_notebooks.py applies the table to the cells a recipe tags explicitly (`install`, `paths`, `train`) and to
+build_notebooks.py applies the table to the cells a recipe tags explicitly (`install`, `run`, `train`) and to
 the notebook metadata; at run time `resolve_paths` turns the table's folders into real ones (a notebook built
 for Colab but executed elsewhere, CI or a laptop, falls back to local folders and says so), and `require_hub`
 says at once when the Hub is out of reach (Kaggle's Internet switch off).

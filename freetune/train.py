@@ -78,7 +78,10 @@ def make_config(paths: Paths, plan: Plan, params: dict | None = None, **settings
     freetune.train.train reads the rest of the plan (batching, sampler, LoRA kernel, compile) from the plan itself.
     """
     run = {name: value for name, value in (params or {}).items() if name in RUN_PARAMS}
-    return _sft_config(paths, plan, **{**run, **settings})
+    config = _sft_config(paths, plan, **{**run, **settings})
+    # train() reads the plan this config was made from (not part of the Trainer's own fields, so not saved by it)
+    config.freetune_plan = plan
+    return config
 
 
 def _sft_config(paths: Paths, plan: Plan, *, max_steps: int, learning_rate: float, micro_batch: int | None = None,
@@ -266,10 +269,13 @@ def nonfinite_advice(problem: str, config, checkpoints_dir: str) -> str:
                f"new run_name)." if kept else "it starts at step 0."))
 
 
-def train(model, tokenizer, train_dataset, config, *, plan: Plan, paths: Paths, eval_dataset=None, resume: bool = True,
-          extra_callbacks=(), time_budget_min: float = 0, hub_checkpoint_repo: str = "", hub_api=None):
-    """Run freetune's trainer (freetune.trainer.FreetuneTrainer) as `plan` says, save the adapter (main process),
-    write the summary; returns the summary dict. config: make_config's, for the same plan.
+def train(model, tokenizer, train_dataset, config, *, paths: Paths, plan: Plan | None = None, eval_dataset=None,
+          resume: bool = True, extra_callbacks=(), time_budget_min: float = 0, hub_checkpoint_repo: str = "",
+          hub_api=None):
+    """Run freetune's trainer (freetune.trainer.FreetuneTrainer) as the plan says, save the adapter (main process),
+    write the summary; returns the summary dict. config: make_config's, which carries the plan it was made from.
+
+    plan: only for a config not made by make_config; given beside one that was, it must be the same plan.
 
     resume: continue from the newest complete checkpoint of this run (paths.checkpoints, or the Hub).
     time_budget_min: stop and save after this many minutes; 0 = the platform's session limit minus a margin
@@ -281,8 +287,9 @@ def train(model, tokenizer, train_dataset, config, *, plan: Plan, paths: Paths, 
     """
     import torch
 
+    plan = _plan_of(config, plan)
     eval_dataset = _rows_to_train(train_dataset, eval_dataset, config)
-    if context().is_main:  # a no-op where the notebook's paths cell (or a process above this one) holds it
+    if context().is_main:  # a no-op where the notebook's run cell (or a process above this one) holds it
         checkpoint.lock.acquire(paths.run_dir)
     budget_s, budget_text = checkpoint.time_budget(time_budget_min, paths.platform)
     hub = None
@@ -335,6 +342,17 @@ def train(model, tokenizer, train_dataset, config, *, plan: Plan, paths: Paths, 
         print0(f"Stopped early at step {summary['steps']} of {summary['max_steps']} ({stopper.reason}). The adapter so "
                f"far is in {paths.adapter}; run this again with the same run_name to continue from the checkpoint.")
     return summary
+
+
+def _plan_of(config, plan: Plan | None) -> Plan:
+    made_from = getattr(config, "freetune_plan", None)
+    if made_from is not None and plan is not None and plan is not made_from and plan != made_from:
+        raise FreetuneError("train() was given a plan other than the one its config was made from: pass the config "
+                            "alone (freetune.train.make_config records its plan), or make the config from this plan.")
+    if made_from is None and plan is None:
+        raise FreetuneError("train() needs the plan: make the config with freetune.train.make_config(paths, plan, ...)"
+                            ", which records it.")
+    return made_from if made_from is not None else plan
 
 
 @contextmanager

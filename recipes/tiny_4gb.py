@@ -1,5 +1,16 @@
 # ---
 # jupyter:
+#   freetune:
+#     # What this recipe declares besides its cells, read by build_notebooks.py (the README's row),
+#     # scripts/run_recipe.py and the tests (--embedded: the tiny model's architecture, the bundled rows;
+#     # --real-model: the rows SmolLM2 trains on).
+#     readme:
+#       row: 3
+#       model: "TinyLlama-1.1B-Chat-v1.0"
+#       gpu: "any 4 GB card"
+#       vram: "< 3.75 GiB peak"
+#       time: "~25 min, 200 steps"
+#     embedded: {architecture: llama, sample: alpaca}
 #   jupytext:
 #     text_representation:
 #       extension: .py
@@ -34,6 +45,8 @@ model_id: str = "TinyLlama/TinyLlama-1.1B-Chat-v1.0"  # hub id or local folder; 
 dataset: str = "yahma/alpaca-cleaned"  # hub id or local file
 dataset_split: str = "train"  # which split of the hub data set to read
 columns: dict = {}  # Alpaca's instruction/input/output are read as they are; map others
+# freetune.tasks: the row checks of the data audit and the metrics of the evaluation
+task: str = ""  # audit and evaluation checks: "svg", "home_assistant" or "" (text)
 system_prompt: str = "You are a helpful assistant."  # shown to the model in every row
 chat_template: str = "auto"  # "auto": the model's own; else "chatml", "llama3" or "zephyr"
 auto_clean: bool = True  # drop the rows the audit flags (empty, junk repeats) before training
@@ -92,28 +105,19 @@ hub_repo: str = ""  # private Hub repo to push the adapter to, e.g. "you/tiny-4g
 # Reads the machine before anything is loaded: GPU, compute capability, memory, disk. It refuses a GPU the
 # installed PyTorch cannot run (Kaggle's P100) and picks the precision: fp16 on a T4 (no fast bf16 there),
 # bf16 on Ampere and newer, fp32 on a CPU, each with its reason.
+#
+# Your parameters become one record, `run`, and every later cell reads its settings from it (`run.lora_rank`,
+# `run.plan`, `run.paths`): to change a setting, change the parameters cell and run everything again.
 
-# %%
-from pathlib import Path
-
+# %% tags=["run"]
 import freetune
 
-params = freetune.params.check(globals())
-plan = freetune.plan.make_plan(
-    model_shape=model_id, max_length=max_length, micro_batch=micro_batch or None, grad_accum=grad_accum,
-    lora_rank=lora_rank, gradient_checkpointing=gradient_checkpointing, optimizer=optimizer, precision=precision,
-    memory_budget_gib=gpu_memory_cap_gib or None, lora_dropout=lora_dropout,
-)
-freetune.tracking.check_options(report_to=report_to, eval_steps=eval_steps, eval_rows=eval_rows)
-# a missing token, no internet or a read-only token must stop us now, not after hours of training
-for parameter, repo in (("hub_repo", hub_repo), ("hub_checkpoint_repo", hub_checkpoint_repo)):
-    if repo:
-        freetune.secrets.require_hub_write(repo, parameter)
-plan
-
-# %% tags=["paths"]
-paths = freetune.platform.resolve_paths(target=None, output_dir=output_dir, run_name=run_name, use_drive=use_drive)
-print(f"run folder: {paths.run_dir}")
+# The parameters above in one record, `run`, that every later cell reads: each value is checked first (a typo or an
+# out-of-range value stops here, before anything loads). build_notebooks.py fills in recipe and target.
+run = freetune.RunConfig.from_cell(globals(), recipe=None, target=None)
+run = run.preflight()  # the plan for this machine; a Hub repo's token is checked now, not after hours of training
+run = run.with_paths()  # the run's folders: reuse run_name to resume, change it to start fresh
+run.plan
 
 # %% [markdown]
 # ## Data audit
@@ -121,22 +125,22 @@ print(f"run folder: {paths.run_dir}")
 # (a pipeline's error string, say), duplicates, and rows `max_length` would cut.
 
 # %%
-tokenizer = freetune.model.load_tokenizer(model_id, chat_template=chat_template)
-rows = freetune.data.normalize(freetune.data.load_rows(dataset, split=dataset_split), columns=columns)
-rows = freetune.data.as_chat(rows, system_prompt)  # an instruct model learns best in its own chat format
+tokenizer = freetune.model.load_tokenizer(run.model_id, chat_template=run.chat_template)
+rows = freetune.data.normalize(freetune.data.load_rows(run.dataset, split=run.dataset_split), columns=run.columns)
+rows = freetune.data.as_chat(rows, run.system_prompt)  # an instruct model learns best in its own chat format
 print(freetune.model.check_chat_template(tokenizer, rows))
 # Audited and cleaned before the split: the held-out rows pass the same checks, and with duplicates and
 # conflicting answers gone no prompt can be on both sides.
 rows, audit_report, cleaning = freetune.audit.audit_and_clean(
-    rows, tokenizer=tokenizer, max_length=plan.max_length, checks=None, source=dataset,
-    auto_clean=auto_clean, accept_problems=accept_data_problems,
+    rows, tokenizer=tokenizer, max_length=run.plan.max_length, checks=freetune.tasks.audit_checks(run.task),
+    source=run.dataset, auto_clean=run.auto_clean, accept_problems=run.accept_data_problems,
 )
-train_rows, held_out = freetune.data.split_eval(rows, eval_rows, seed=seed)
-plan = freetune.plan.replan(plan, longest_row=audit_report.longest_row)  # sized for these rows
-print(f"Plan for these rows: {plan.one_line()}")
+train_rows, held_out = freetune.data.split_eval(rows, run.eval_rows, seed=run.seed)
+run = run.replan(longest_row=audit_report.longest_row)  # sized for these rows
+print(f"Plan for these rows: {run.plan.one_line()}")
 # before the model loads: a resume is of the same run (same settings, model and rows), and the disk has room
-freetune.checkpoint.check_run(paths, params, plan, train_rows)
-freetune.data.save_prepared(paths.data, train_rows, held_out)
+freetune.checkpoint.check_run(run.paths, run.parameters, run.plan, train_rows)
+freetune.data.save_prepared(run.paths.data, train_rows, held_out)
 
 # %% [markdown]
 # Why a few identical rows matter: the loss is computed only on the answers, so a short answer repeated in
@@ -155,12 +159,14 @@ freetune.data.save_prepared(paths.data, train_rows, held_out)
 
 # %% tags=["train"]
 dist = freetune.distributed.init()
-train_rows, held_out = freetune.data.load_prepared(paths.data)
-tokenizer = freetune.model.load_tokenizer(model_id, chat_template=chat_template)
-model = freetune.model.load_base_model(model_id, plan, local_rank=dist.local_rank, memory_cap_gib=gpu_memory_cap_gib)
-model, trainable, total = freetune.model.attach_lora(model, rank=lora_rank, alpha=lora_alpha,
-                                                     dropout=lora_dropout, target_modules=lora_targets, seed=seed)
-freetune.distributed.print_layout(dist, plan.micro_batch, plan.grad_accum, trainable, total)
+train_rows, held_out = freetune.data.load_prepared(run.paths.data)
+tokenizer = freetune.model.load_tokenizer(run.model_id, chat_template=run.chat_template)
+model = freetune.model.load_base_model(run.model_id, run.plan, local_rank=dist.local_rank,
+                                       memory_cap_gib=run.gpu_memory_cap_gib)
+model, trainable, total = freetune.model.attach_lora(model, rank=run.lora_rank, alpha=run.lora_alpha,
+                                                     dropout=run.lora_dropout, target_modules=run.lora_targets,
+                                                     seed=run.seed)
+freetune.distributed.print_layout(dist, run.plan.micro_batch, run.plan.grad_accum, trainable, total)
 
 # %% [markdown]
 # ## Train
@@ -168,15 +174,14 @@ freetune.distributed.print_layout(dist, plan.micro_batch, plan.grad_accum, train
 # Checkpoints land in the run folder every `save_steps`; running this again resumes from the newest one.
 
 # %% tags=["train"]
-config = freetune.train.make_config(paths, plan, params, assistant_only="messages" in train_rows.column_names)
-summary = freetune.train.train(model, tokenizer, train_rows, config, plan=plan, paths=paths,
-                               time_budget_min=time_budget_min, hub_checkpoint_repo=hub_checkpoint_repo,
-                               eval_dataset=held_out)
+config = run.sft_config(assistant_only="messages" in train_rows.column_names)  # the Trainer's settings, from the plan
+summary = freetune.train.train(model, tokenizer, train_rows, config, paths=run.paths, eval_dataset=held_out,
+                               time_budget_min=run.time_budget_min, hub_checkpoint_repo=run.hub_checkpoint_repo)
 del model  # free the GPU for the evaluation below
 freetune.distributed.cleanup()
 
 # %%
-summary = freetune.train.show_summary(paths)
+summary = freetune.train.show_summary(run.paths)
 
 # %% [markdown]
 # ## Evaluate
@@ -184,8 +189,9 @@ summary = freetune.train.show_summary(paths)
 # adapter, and says plainly if the adapter has collapsed into one answer for every prompt.
 
 # %%
-comparison = freetune.evaluate.compare(model_id, paths.adapter, freetune.evaluate.pick_rows(held_out, sanity_rows),
-                                     task=None, max_new_tokens=max_new_tokens)
+prompts = freetune.evaluate.pick_rows(held_out, run.sanity_rows)
+comparison = freetune.evaluate.compare(run.model_id, run.paths.adapter, prompts, task=run.task or None,
+                                     max_new_tokens=run.max_new_tokens)
 comparison
 
 # %% [markdown]
@@ -197,8 +203,8 @@ comparison
 # This cell runs here in the notebook, on one GPU, after the torchrun job has ended.
 
 # %%
-answers = freetune.chat.try_it(model_id, paths.adapter, held_out,
-                               system_prompt=system_prompt or None, max_new_tokens=max_new_tokens)
+answers = freetune.chat.try_it(run.model_id, run.paths.adapter, held_out,
+                               system_prompt=run.system_prompt or None, max_new_tokens=run.max_new_tokens)
 
 # %% [markdown]
 # ## Export
@@ -212,17 +218,20 @@ answers = freetune.chat.try_it(model_id, paths.adapter, held_out,
 # evaluation, to a private Hub repo (token from Colab/Kaggle secrets or HF_TOKEN, never printed).
 
 # %%
-freetune.export.check_adapter(paths.adapter)
-print(f"Adapter: {paths.adapter}")
-if export_gguf:
-    merged = freetune.export.merge(model_id, paths.adapter, f"{paths.run_dir}/merged")
-    ggufs = freetune.export.convert_to_gguf(merged, f"{paths.run_dir}/gguf", converter=freetune.export.fetch_converter())
-    modelfile = freetune.export.write_modelfile(ggufs[-1], tokenizer, system_prompt=system_prompt or None)
-    print(freetune.export.ollama_commands(modelfile, run_name))
-if hub_repo:
+from pathlib import Path
+
+freetune.export.check_adapter(run.paths.adapter)
+print(f"Adapter: {run.paths.adapter}")
+if run.export_gguf:
+    merged = freetune.export.merge(run.model_id, run.paths.adapter, f"{run.paths.run_dir}/merged")
+    ggufs = freetune.export.convert_to_gguf(merged, f"{run.paths.run_dir}/gguf",
+                                            converter=freetune.export.fetch_converter())
+    modelfile = freetune.export.write_modelfile(ggufs[-1], tokenizer, system_prompt=run.system_prompt or None)
+    print(freetune.export.ollama_commands(modelfile, run.run_name))
+if run.hub_repo:
     card = freetune.export.model_card(
-        base_model=model_id, dataset=dataset, recipe="recipes/tiny_4gb.py", parameters=params,
-        audit_summary=audit_report.to_dict(), eval_table=comparison.to_dict(), repo_id=hub_repo)
-    (Path(paths.adapter) / "README.md").write_text(card)
-    freetune.export.push_to_hub(paths.adapter, hub_repo,
-                                token=freetune.secrets.hf_token(required=True, purpose=f"push to {hub_repo}"))
+        base_model=run.model_id, dataset=run.dataset, recipe=f"recipes/{run.recipe}.py", parameters=run.parameters,
+        audit_summary=audit_report.to_dict(), eval_table=comparison.to_dict(), repo_id=run.hub_repo)
+    (Path(run.paths.adapter) / "README.md").write_text(card)
+    freetune.export.push_to_hub(run.paths.adapter, run.hub_repo,
+                                token=freetune.secrets.hf_token(required=True, purpose=f"push to {run.hub_repo}"))

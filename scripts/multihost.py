@@ -38,8 +38,9 @@ def prepare(recipe: str, parameters: dict, out: Path, *, nnodes: int = 1, nproc:
     the job file; returns (script, job_file)."""
     import nbformat
 
+    import dataclasses
+
     from build_notebooks import parameter_names
-    from freetune.launch import write_job
     from freetune.plan import for_world
 
     notebook = ROOT / "notebooks" / "kaggle" / f"{recipe}.ipynb"
@@ -71,11 +72,10 @@ def prepare(recipe: str, parameters: dict, out: Path, *, nnodes: int = 1, nproc:
         os.chdir(previous)
     if script is None:
         raise SystemExit(f"{notebook} has no cell tagged train-script")
-    plan, paths = namespace["plan"], namespace["paths"]
+    run = namespace["run"]  # the notebook's RunConfig: parameters, folders, plan
     # The notebook's preflight saw this host only; the ranks of the whole job share each optimizer step.
-    plan = for_world(plan, nnodes * nproc, hosts=nnodes)
-    job = write_job(Path(paths.run_dir) / "train_ddp.json", {n: namespace[n] for n in names}, paths, plan)
-    return script, job
+    run = dataclasses.replace(run, plan=for_world(run.plan, nnodes * nproc, hosts=nnodes))
+    return script, run.save(Path(run.paths.run_dir) / "train_ddp.json")
 
 
 def torchrun_line(script: str, job: str, *, nnodes: int, node_rank: int, nproc: int, head: str, rdzv_id: str) -> str:

@@ -29,12 +29,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# What --embedded runs each recipe on: the tiny model's architecture, the bundled sample, and CPU-sized knobs.
-EMBEDDED = {
-    "svg_coder": {"architecture": "qwen2", "sample": "svg"},
-    "home_assistant": {"architecture": "qwen3", "sample": "home_assistant"},
-    "tiny_4gb": {"architecture": "llama", "sample": "alpaca"},
-}
+# What --embedded runs a recipe on (the tiny model's architecture, the bundled sample) is declared in the recipe's
+# header (`freetune: embedded:`), which the notebook carries in its metadata; the knobs sized for a CPU are here.
 CPU_SIZED = {"max_steps": 8, "micro_batch": 2, "grad_accum": 1, "max_length": 256, "learning_rate": 2e-2,
              "logging_steps": 1, "save_steps": 4, "eval_rows": 8, "eval_steps": 2, "sanity_rows": 2,
              "max_new_tokens": 32}
@@ -43,7 +39,7 @@ CPU_SIZED = {"max_steps": 8, "micro_batch": 2, "grad_accum": 1, "max_length": 25
 # ~160-token rows cost 2-3x the training and decoding time), at a real model's learning rate (the tiny model's 2e-2
 # wipes out what SmolLM2 knows). ChatML, because SmolLM2's own template adds a default system prompt to every row.
 # No system prompt and short answers: every token costs training and generation time on a CPU.
-REAL_MODEL = {"svg_coder": {"sample": "svg_short"}}
+# Which recipes have such a sample, and which: the recipe's header (`freetune: real_model:`).
 REAL_MODEL_CPU = {"chat_template": "chatml", "system_prompt": "", "max_steps": 24, "micro_batch": 4, "grad_accum": 1,
                   "max_length": 128, "learning_rate": 1e-3, "logging_steps": 2, "save_steps": 24, "eval_rows": 6,
                   "eval_steps": 0, "sanity_rows": 6, "max_new_tokens": 80}
@@ -85,20 +81,48 @@ def parse_parameters(pairs: list[tuple[str, str]], base: Path | None = None) -> 
     return parameters
 
 
-def embedded_parameters(recipe: str, real_model: bool = False) -> dict:
-    from freetune.fixtures import cached_smollm2, cached_tiny_model, sample_data_path
+def notebook_path(recipe: str, target: str) -> Path:
+    """notebooks/<target>/<recipe>.ipynb, or the notebook a path names (a recipe built elsewhere, e.g. a test's)."""
+    if recipe.endswith(".ipynb"):
+        return Path(recipe).resolve()
+    return ROOT / "notebooks" / target / f"{recipe}.ipynb"
 
-    if real_model:
-        spec = REAL_MODEL.get(recipe)
-        if spec is None:
-            raise SystemExit(f"no real-model default for recipe {recipe!r}; known: {sorted(REAL_MODEL)}. For another "
-                             f"recipe: --embedded -p model_id <the model's folder> -p learning_rate 1e-3")
-        return {"model_id": str(cached_smollm2()), "dataset": str(sample_data_path(spec["sample"])), **REAL_MODEL_CPU}
-    spec = EMBEDDED.get(recipe)
+
+def declared(notebook: Path) -> dict:
+    """What the recipe's header declares (embedded, real_model, readme): build_notebooks.py puts it in the notebook."""
+    import nbformat
+
+    if not notebook.exists():
+        raise SystemExit(f"{notebook} does not exist: run `python build_notebooks.py` (recipes: "
+                         f"{sorted(p.stem for p in (ROOT / 'recipes').glob('*.py'))})")
+    return nbformat.read(notebook, as_version=4).metadata.get("freetune", {})
+
+
+def sample_path(sample: str) -> str:
+    """A bundled sample's name (freetune/sample_data), or a data file's path (absolute, or from the repository root)."""
+    from freetune.fixtures import sample_data_path
+
+    if Path(sample).suffix:
+        return str((ROOT / sample).resolve())
+    return str(sample_data_path(sample))
+
+
+def embedded_parameters(recipe: str, real_model: bool = False, target: str = "colab") -> dict:
+    from freetune.fixtures import cached_smollm2, cached_tiny_model
+
+    notebook = notebook_path(recipe, target)
+    kind = "real_model" if real_model else "embedded"
+    spec = declared(notebook).get(kind)
     if spec is None:
-        raise SystemExit(f"no embedded default for recipe {recipe!r}; known: {sorted(EMBEDDED)}")
+        known = sorted(p.stem for p in (ROOT / "notebooks" / target).glob("*.ipynb") if kind in declared(p))
+        more = (" For another recipe: --embedded -p model_id <the model's folder> -p learning_rate 1e-3"
+                if real_model else "")
+        raise SystemExit(f"no {kind.replace('_', '-')} default for recipe {recipe!r}; known: {known} (a recipe "
+                         f"declares one in its header, under `freetune:` `{kind}:`).{more}")
+    if real_model:
+        return {"model_id": str(cached_smollm2()), "dataset": sample_path(spec["sample"]), **REAL_MODEL_CPU}
     model_dir = cached_tiny_model(spec["architecture"])
-    return {"model_id": str(model_dir), "dataset": str(sample_data_path(spec["sample"])), **CPU_SIZED}
+    return {"model_id": str(model_dir), "dataset": sample_path(spec["sample"]), **CPU_SIZED}
 
 
 def failing_cell(notebook_path: Path) -> str:
@@ -164,10 +188,9 @@ def run(recipe: str, target: str, parameters: dict, out: Path, timeout_s: int) -
 
     from freetune.platform import PLATFORMS
 
-    notebook = ROOT / "notebooks" / target / f"{recipe}.ipynb"
-    if not notebook.exists():
-        raise SystemExit(f"{notebook} does not exist: run `python build_notebooks.py` (recipes: "
-                         f"{sorted(p.stem for p in (ROOT / 'recipes').glob('*.py'))})")
+    notebook = notebook_path(recipe, target)
+    declared(notebook)  # it exists, or say how to build it
+    recipe = notebook.stem
     out.mkdir(parents=True, exist_ok=True)
     executed = out / f"{recipe}-{target}.ipynb"
     record = {"recipe": recipe, "target": target, "executed_notebook": str(executed),
@@ -190,25 +213,28 @@ def run(recipe: str, target: str, parameters: dict, out: Path, timeout_s: int) -
     record["notebook_wall_s"] = round(time.time() - start, 1)
     # output_dir "" is the platform's default: the local one, relative to the kernel's folder (out).
     root = parameters.get("output_dir") or out / PLATFORMS["local"].work_root
-    run_dir = Path(root) / parameters.get("run_name", _default(recipe))
+    run_dir = Path(root) / parameters.get("run_name", _default(notebook))
     summary_file = run_dir / "reports" / "run_summary.json"
     if summary_file.exists():
         record["training"] = json.loads(summary_file.read_text())
     return record
 
 
-def _default(recipe: str) -> str:
-    """The recipe's own run_name default (read from its parameters cell), to find the run folder."""
-    tree = ast.parse((ROOT / "recipes" / f"{recipe}.py").read_text())
-    for node in tree.body:
+def _default(notebook: Path) -> str:
+    """The recipe's own run_name default (read from the notebook's parameters cell), to find the run folder."""
+    import nbformat
+
+    cells = nbformat.read(notebook, as_version=4).cells
+    source = next((c.source for c in cells if "parameters" in c.metadata.get("tags", [])), "")
+    for node in ast.parse(source).body:
         if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == "run_name":
             return ast.literal_eval(node.value)
-    return recipe
+    return notebook.stem
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("recipe", help="recipe name, e.g. svg_coder")
+    parser.add_argument("recipe", help="recipe name, e.g. svg_coder, or a generated notebook's path")
     parser.add_argument("--target", choices=["colab", "kaggle"], default="colab")
     parser.add_argument("--embedded", action="store_true",
                         help="tiny local model + bundled sample data, sized for a CPU")
@@ -226,10 +252,11 @@ def main(argv: list[str] | None = None) -> int:
         # the Colab run's last checkpoint (at max_steps: nothing left to train).
         # The real model's run has a folder of its own too: a tiny model's run there would be refused as another run.
         runs = out / "runs" / (f"{args.target}-real-model" if args.real_model else args.target)
-        parameters = {**embedded_parameters(args.recipe, real_model=args.real_model), "output_dir": str(runs)}
+        parameters = {**embedded_parameters(args.recipe, real_model=args.real_model, target=args.target),
+                      "output_dir": str(runs)}
     parameters.update(parse_parameters(args.parameter))
     record = run(args.recipe, args.target, parameters, out, args.timeout)
-    summary_path = out / f"{args.recipe}-{args.target}.json"
+    summary_path = out / f"{record['recipe']}-{args.target}.json"
     summary_path.write_text(json.dumps(record, indent=2, sort_keys=True))
     training = record.get("training", {})
     print(json.dumps({k: record[k] for k in ("recipe", "target", "status", "notebook_wall_s")} |

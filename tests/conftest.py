@@ -56,7 +56,7 @@ def run_recipe(recipe, target, out, *params, env=None):
     return result, record, nbformat.read(out / f"{recipe}-{target}.ipynb", as_version=4)
 
 
-RECIPES = ("svg_coder", "home_assistant", "tiny_4gb")
+RECIPES = tuple(sorted(p.stem for p in (REPO / "recipes").glob("*.py")))  # every recipe is one file there
 TARGETS = ("colab", "kaggle")
 
 

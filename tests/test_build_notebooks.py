@@ -34,7 +34,7 @@ def test_the_package_and_pyproject_carry_one_version():
 
 
 def test_check_fails_and_names_the_stale_notebook_after_a_recipe_edit(tmp_path):
-    for item in ("build_notebooks.py", "pyproject.toml", "recipes", "notebooks", "freetune"):
+    for item in ("build_notebooks.py", "pyproject.toml", "README.md", "recipes", "notebooks", "freetune"):
         source = REPO / item
         (shutil.copytree if source.is_dir() else shutil.copy)(source, tmp_path / item)
     recipe = tmp_path / "recipes" / "svg_coder.py"
@@ -78,8 +78,8 @@ def test_notebook_shape(recipe, target):
     version = build_notebooks.project_meta()["version"]
     assert f'@v{version}"' in install.source and "@main" not in install.source, \
         "the install cell must install the release the notebook was generated from, not whatever main holds"
-    paths_cell = next(c for c in code if "paths" in c.metadata.get("tags", []))
-    assert f"target={target!r}" in paths_cell.source
+    run_cell = next(c for c in code if "run" in c.metadata.get("tags", []))
+    assert f"RunConfig.from_cell(globals(), recipe={recipe!r}, target={target!r})" in run_cell.source
     if target == "colab":
         assert nb.metadata["accelerator"] == "GPU" and nb.metadata["colab"]["gpuType"] == "T4"
     else:
@@ -146,10 +146,10 @@ def test_kaggle_training_code_exists_once_in_the_recipe(recipe):
         assert cell in script  # the script is made of the recipe's own cells
         assert not any(c.source.strip() == cell for c in kaggle.cells)  # ...and they do not also run inline
         assert any(c.source.strip() == cell for c in colab.cells)  # Colab runs them inline
+    # One channel: the notebook saves its run (parameters, folders, plan), each rank reads it; no names copied.
     launch = next(c.source for c in kaggle.cells if "run_torchrun" in c.source)
-    for name in build_notebooks.parameter_names(next(c.source for c in source.cells
-                                                     if "parameters" in c.metadata.get("tags", []))):
-        assert f"{name!r}: {name}," in launch  # every parameter reaches the ranks
+    assert "job_file = run.save(" in launch and "nproc=run.ddp_processes" in launch
+    assert "run = freetune.RunConfig.load(sys.argv[1])" in script and "globals()" not in script
 
 
 def test_parameters_cell_must_hold_literals(tmp_path):
@@ -222,3 +222,18 @@ def test_papermill_help_lists_the_chat_template_eval_and_logging_parameters(reci
     for line in source.splitlines():
         if line.split(":")[0] in NEW_PARAMETERS:
             assert len(line) <= 100, line
+
+
+def test_every_recipe_tells_the_same_story_in_code():
+    """What varies between recipes is their prose, parameters and header; the code cells are the one story, in the
+    same order (a recipe may add a cell of its own, e.g. svg_coder's side-by-side picture). A change to the story is
+    made in every recipe, or the drift shows here."""
+    stories = {recipe: [c.source for c in jupytext.read(REPO / "recipes" / f"{recipe}.py").cells
+                        if c.cell_type == "code" and "parameters" not in c.metadata.get("tags", [])]
+               for recipe in RECIPES}
+    shared = [cell for cell in stories[RECIPES[0]] if all(cell in story for story in stories.values())]
+    assert len(shared) >= 9, shared
+    for recipe, story in stories.items():
+        assert [cell for cell in story if cell in shared] == shared, recipe
+        own = [cell for cell in story if cell not in shared]
+        assert len(own) <= 1, (recipe, own)

@@ -33,7 +33,8 @@ def test_a_headless_run_streams_cell_headings_and_step_lines(executed_notebook, 
     train = "== Train" if target == "colab" else "== Model and training"  # Kaggle: one script on every GPU
     for heading in ("== Preflight", "== Data audit", train, "== Evaluate"):
         assert heading in out
-    assert re.search(r"^-- cell \d+: params = freetune\.params\.check\(globals\(\)\)$", out, re.M)
+    assert re.search(rf"^-- cell \d+: run = freetune\.RunConfig\.from_cell\(globals\(\), recipe='svg_coder', "
+                     rf"target='{target}'\)$", out, re.M)
     # Kaggle's steps come from rank 0 under torchrun, streamed through the notebook's launch cell.
     assert len(STEP_LINE.findall(out)) == 8
     assert out.index("== Data audit") < STEP_LINE.search(out).start() < out.index("== Evaluate")

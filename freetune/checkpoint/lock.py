@@ -2,8 +2,8 @@
 replaced the first's prepared data (the first then failed), or both ended "successfully" with the second's
 adapter, checkpoints and summary under the first's name.
 
-The paths cell (freetune.platform.resolve_paths) takes `<run folder>/.freetune.lock` for the notebook's kernel
-(or the script's process) and holds it while that process lives; running that cell again in the same kernel keeps
+The run cell (RunConfig.with_paths -> freetune.platform.resolve_paths) takes `<run folder>/.freetune.lock` for the
+notebook's kernel (or the script's process) and holds it while that process lives; running that cell again in the same kernel keeps
 it. Processes it starts (torchrun's ranks, a papermill kernel's children) work under it: the holder's token is
 in their environment. A second run or notebook meets a FreetuneError naming the holder (host, pid, since when)
 and the two ways out: stop that run, or pick another run_name.

@@ -15,10 +15,13 @@ Tasks without a module (task=None) are judged on the text: `reference_metrics` (
 from __future__ import annotations
 
 import importlib
+import pkgutil
 from difflib import SequenceMatcher
+from pathlib import Path
 from types import ModuleType
 
-TASK_NAMES = ("svg", "home_assistant")
+# Every module in this folder is a task: adding one is adding its file.
+TASK_NAMES = tuple(sorted(m.name for m in pkgutil.iter_modules([str(Path(__file__).parent)]) if not m.ispkg))
 
 
 def load_task(task: str | ModuleType | None) -> ModuleType | None:
@@ -31,6 +34,12 @@ def load_task(task: str | ModuleType | None) -> ModuleType | None:
         raise FreetuneError(f"Unknown task {task!r}: freetune has task metrics for {', '.join(TASK_NAMES)}. "
                             f"Set `task` to one of them, or to None to skip task metrics.")
     return importlib.import_module(f"freetune.tasks.{task}")
+
+
+def audit_checks(task: str | None) -> dict | None:
+    """The task's row checks for the data audit (its AUDIT_CHECKS); None for no task (text checks only)."""
+    module = load_task(task or None)
+    return module.AUDIT_CHECKS if module is not None else None
 
 
 def summarise_metrics(results: list[dict]) -> dict[str, float | None]:
