@@ -56,7 +56,9 @@ if not __package__:  # run as a file (python scripts/bench.py): its sibling modu
 # The jobs are split by what they do (bench_prepare, bench_probes, bench_experiments, bench_worker, bench_schedule,
 # bench_report); this file is the entry point (its arguments and main) and names them all for callers and tests.
 from freetune.plan import KNOWN_SHAPES  # noqa: F401
-from scripts.bench_experiments import DDP_EXPERIMENTS, EXPERIMENTS, apply_experiments, ddp_only  # noqa: F401
+from scripts.bench_experiments import (  # noqa: F401
+    DDP_EXPERIMENTS, EXPERIMENTS, PATCHES, MissingPatchTarget, Patch, apply_experiments, check_experiments, ddp_only,
+    patch_targets)
 from scripts.bench_prepare import (  # noqa: F401
     ARCHITECTURE, MATCHED, MODES, PEER_RUNS, REPO, ROW_LENGTHS, ROW_SOURCES, RUNS, build_model, build_tokenizer,
     parse_row_lengths, recipe_default, shape_named, shape_of, svg_sample_rows, synthetic_rows)
@@ -68,8 +70,43 @@ from scripts.bench_schedule import (  # noqa: F401
 from scripts.bench_worker import job_plan, run_one  # noqa: F401
 
 
+VARIANTS_HELP = (
+    "extra freetune runs with plan choices changed, ';'-separated 'label:field=value,...' "
+    "(e.g. 'eager:compile=false;peft:lora_kernel=peft,optimizer=paged_adamw_8bit'); also the "
+    "experiments liger=true (Liger's RMSNorm/SwiGLU/RoPE, liger-kernel installed), "
+    "cpp_wrapper=true (inductor's C++ wrapper), combo_kernels=true (inductor's horizontal "
+    "fusion), byte_masks=true (dropout masks a byte per "
+    "element, as before freetune.speed.lora_kernel.pack_mask; with mlp_kernel=layers only), "
+    "fp32_absmax=true (the fused layers' fp32 absmax copy where compiled ones keep 8-bit), "
+    "per_layer_casts=true (each layer casts its own LoRA weights), copied_heads=true (the "
+    "T4 attention's heads copied into parts), trl_empty_cache=true (TRL's offloading "
+    "empties the CUDA cache every micro-batch), no_triton=true (the custom ops' element-wise "
+    "work without freetune.speed.triton_kernels), inline_dgrad=true (the backward's input "
+    "gradients inside the compiled graphs, not through freetune::dequantized_mm), "
+    "skip_guards=true (after two steps dynamo checks only the guards that tell the layers' "
+    "graphs apart), no_asserts=true (no size/stride checks in the compiled graphs' "
+    "wrappers), gc_unfrozen=true (no gc.freeze after the warm-up), "
+    "lora_dropout=0 (freetune with the peer's LoRA: no dropout; default: the mode's "
+    "recipe's), "
+    "dense_head=true and no_packed_check=true (two host syncs per step removed), "
+    "pin_cores=true (scripts/bench_experiments.py) and "
+    "the DDP settings ddp_split=true, "
+    "static_graph=true, bucket_view=true, bucket_mb=N, flat_sync=true (apply_ddp_experiments; "
+    "a variant of only these runs under DDP only). 'label:' alone repeats freetune's runs")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_call_arguments(parser)
+    add_run_arguments(parser)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    check_arguments(parser, args)
+    return args
+
+
+def add_call_arguments(parser: argparse.ArgumentParser) -> None:
+    """What a call runs: where it writes, which modes and runs, on how many GPUs, in what time."""
     parser.add_argument("--out", default=None,
                         help="JSON results (default reports/gpu/bench.json; with --tiny a file in the temp folder, so "
                              "that a smoke run never overwrites the committed GPU record)")
@@ -93,29 +130,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=10,
                         help="measured steps of the plain_best, freetune and peer runs (more steps, less noise from "
                              "the rows' mix of lengths; each step ~0.5 s on an H200)")
-    parser.add_argument("--variants", default="",
-                        help="extra freetune runs with plan choices changed, ';'-separated 'label:field=value,...' "
-                             "(e.g. 'eager:compile=false;peft:lora_kernel=peft,optimizer=paged_adamw_8bit'); also the "
-                             "experiments liger=true (Liger's RMSNorm/SwiGLU/RoPE, liger-kernel installed), "
-                             "cpp_wrapper=true (inductor's C++ wrapper), combo_kernels=true (inductor's horizontal "
-                             "fusion), byte_masks=true (dropout masks a byte per "
-                             "element, as before freetune.speed.lora_kernel.pack_mask; with mlp_kernel=layers only), "
-                             "fp32_absmax=true (the fused layers' fp32 absmax copy where compiled ones keep 8-bit), "
-                             "per_layer_casts=true (each layer casts its own LoRA weights), copied_heads=true (the "
-                             "T4 attention's heads copied into parts), trl_empty_cache=true (TRL's offloading "
-                             "empties the CUDA cache every micro-batch), no_triton=true (the custom ops' element-wise "
-                             "work without freetune.speed.triton_kernels), inline_dgrad=true (the backward's input "
-                             "gradients inside the compiled graphs, not through freetune::dequantized_mm), "
-                             "skip_guards=true (after two steps dynamo checks only the guards that tell the layers' "
-                             "graphs apart), no_asserts=true (no size/stride checks in the compiled graphs' "
-                             "wrappers), gc_unfrozen=true (no gc.freeze after the warm-up), "
-                             "lora_dropout=0 (freetune with the peer's LoRA: no dropout; default: the mode's "
-                             "recipe's), "
-                             "dense_head=true and no_packed_check=true (two host syncs per step removed), "
-                             "pin_cores=true (apply_experiments) and "
-                             "the DDP settings ddp_split=true, "
-                             "static_graph=true, bucket_view=true, bucket_mb=N, flat_sync=true (apply_ddp_experiments; "
-                             "a variant of only these runs under DDP only). 'label:' alone repeats freetune's runs")
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """How each run trains and what it measures: variants, rounds, rows, logging, profiling."""
+    parser.add_argument("--variants", default="", help=VARIANTS_HELP)
     parser.add_argument("--t4-cublas-workspace", action="store_true",
                         help="in the t4 and 4gb modes also the T4's cuBLAS workspace (8 MiB per thread and stream, "
                              "not the H200's 32): both tools' peaks as on a T4, but every matmul about three times "
@@ -153,8 +172,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "memory_budget_gib) for a peak allocated of the fastest Unsloth run that fit in this "
                              "call + 5%% (issue 49's memory target), under the mode's cap; needs an Unsloth run in "
                              "--runs")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+
+
+def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Values argparse cannot check alone, refused before any work."""
     if args.row_lengths:
         try:
             parse_row_lengths(args.row_lengths)
@@ -169,7 +190,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = set(args.runs.split(",")) - set(RUNS + PEER_RUNS)
     if unknown:
         parser.error(f"--runs: no run called {', '.join(sorted(unknown))}; pick from {', '.join(RUNS + PEER_RUNS)}")
-    return args
 
 
 def main(argv=None) -> int:
@@ -193,6 +213,7 @@ def main(argv=None) -> int:
 
     import torch
 
+    check_experiments(parse_variants(args.variants))  # a renamed target stops the call before any model is built
     start = time.time()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)

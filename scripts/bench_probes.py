@@ -122,7 +122,42 @@ class StackSampler:
                               for (label, f, line, fn), n in funcs]}
 
 
-def _step_profiler_class():
+def profiled_step_summary(prof, wall: float) -> dict:
+    """The profiled step's wall time, the GPU's busy time (sum of kernel durations), kernel launches and ATen calls."""
+    # not inductor's "## Call CompiledFxGraph" ranges on the GPU's timeline: their kernels are counted already
+    from scripts.step_breakdown import is_annotation
+
+    events = prof.events()
+    kernels = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")]
+    kernels = [e for e in kernels if not is_annotation(e.name)]
+    busy = sum(getattr(e, "device_time", 0) or 0 for e in kernels) / 1e6
+    aten = sum(1 for e in events if e.name.startswith("aten::"))
+    return {"wall_s": round(wall, 4), "gpu_busy_s": round(busy, 4),
+            "gpu_busy_share": round(busy / wall, 3) if wall else None, "kernels": len(kernels), "aten_calls": aten}
+
+
+def print_profile_tables(prof, cuda: bool, rank: int) -> None:
+    """The top kernels (or CPU ops) and, on a GPU, the top host-side ops of the profiled step."""
+    averages = prof.key_averages()
+    sort = "self_device_time_total" if cuda else "self_cpu_time_total"
+    # One print per table: under torchrun the ranks' lines interleave, a table at a time stays readable.
+    print(f"rank {rank}:\n" + averages.table(sort_by=sort, row_limit=18, max_name_column_width=60), flush=True)
+    if cuda:
+        print(f"rank {rank}:\n" + averages.table(sort_by="self_cpu_time_total", row_limit=30,
+                                                  max_name_column_width=60), flush=True)
+
+
+def host_sync_site(inside_torch: str) -> str:
+    """Where a host sync torch warned about was asked for: the innermost three frames outside torch itself (and
+    outside this function and the profiler's warning hook that calls it)."""
+    import traceback
+
+    frames = [f for f in traceback.extract_stack()[:-2]
+              if not f.filename.startswith(inside_torch) and not f.filename.endswith("warnings.py")][-3:]
+    return " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames))
+
+
+def step_profiler_class():
     from transformers import TrainerCallback
 
     class StepProfiler(TrainerCallback):
@@ -143,13 +178,19 @@ def _step_profiler_class():
             self.inside_torch = str(Path(torch.__file__).parent) + "/"
 
         def _count_sync(self, message, category, filename, lineno, file=None, line=None):
-            import traceback
-
-            # The innermost frames outside torch itself: the code that asked for the value.
-            frames = [f for f in traceback.extract_stack()[:-1]
-                      if not f.filename.startswith(self.inside_torch) and not f.filename.endswith("warnings.py")][-3:]
-            site = " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames))
+            site = host_sync_site(self.inside_torch)
             self.syncs[site] = self.syncs.get(site, 0) + 1
+
+        def _catch_host_syncs(self):
+            import warnings
+
+            import torch
+
+            self.catcher = warnings.catch_warnings()
+            self.catcher.__enter__()
+            warnings.simplefilter("always")
+            warnings.showwarning = self._count_sync
+            torch.cuda.set_sync_debug_mode("warn")
 
         def on_step_begin(self, args, state, control, **kwargs):
             import torch
@@ -165,13 +206,7 @@ def _step_profiler_class():
                                     record_shapes=self.cuda)
                 self.prof.__enter__()
                 if self.cuda:
-                    import warnings
-
-                    self.catcher = warnings.catch_warnings()
-                    self.catcher.__enter__()
-                    warnings.simplefilter("always")
-                    warnings.showwarning = self._count_sync
-                    torch.cuda.set_sync_debug_mode("warn")
+                    self._catch_host_syncs()
                 self.t0 = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
@@ -185,17 +220,7 @@ def _step_profiler_class():
                 torch.cuda.synchronize()
             wall = time.perf_counter() - self.t0
             self.prof.__exit__(None, None, None)
-            events = self.prof.events()
-            kernels = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")]
-            # not inductor's "## Call CompiledFxGraph" ranges on the GPU's timeline: their kernels are counted already
-            from scripts.step_breakdown import is_annotation
-
-            kernels = [e for e in kernels if not is_annotation(e.name)]
-            busy = sum(getattr(e, "device_time", 0) or 0 for e in kernels) / 1e6
-            aten = sum(1 for e in events if e.name.startswith("aten::"))
-            self.summary = {"wall_s": round(wall, 4), "gpu_busy_s": round(busy, 4),
-                            "gpu_busy_share": round(busy / wall, 3) if wall else None,
-                            "kernels": len(kernels), "aten_calls": aten}
+            self.summary = profiled_step_summary(self.prof, wall)
             if self.cuda:
                 self.summary["host_syncs"] = dict(sorted(self.syncs.items(), key=lambda kv: -kv[1]))
                 from scripts.step_breakdown import breakdown, text
@@ -205,20 +230,13 @@ def _step_profiler_class():
             trace_dir = os.environ.get("FREETUNE_PROFILE_TRACE")
             if trace_dir:
                 self.prof.export_chrome_trace(str(Path(trace_dir) / f"trace-{os.getpid()}-rank{self.rank}.json"))
-            averages = self.prof.key_averages()
             print(f"rank {self.rank}: profile of step {state.global_step}: {self.summary}", flush=True)
-            sort = "self_device_time_total" if self.cuda else "self_cpu_time_total"
-            # One print per table: under torchrun the ranks' lines interleave, a table at a time stays readable.
-            print(f"rank {self.rank}:\n" + averages.table(sort_by=sort, row_limit=18, max_name_column_width=60),
-                  flush=True)
-            if self.cuda:
-                print(f"rank {self.rank}:\n" + averages.table(sort_by="self_cpu_time_total", row_limit=30,
-                                                                max_name_column_width=60), flush=True)
+            print_profile_tables(self.prof, self.cuda, self.rank)
 
     return StepProfiler
 
 
-def _timer_class():
+def timer_class():
     """Timer, a TrainerCallback (defined here so that transformers is imported only by the workers)."""
     import torch
     from transformers import TrainerCallback

@@ -11,7 +11,7 @@ from pathlib import Path
 from freetune.plan import ModelShape
 from scripts.bench_experiments import EXPERIMENTS, apply_ddp_experiments, apply_experiments
 from scripts.bench_prepare import LORA_RANK, ROWS_PER_STEP, shape_of
-from scripts.bench_probes import StackSampler, _step_profiler_class, _timer_class
+from scripts.bench_probes import StackSampler, step_profiler_class, timer_class
 
 
 def run_one(job: dict) -> dict:
@@ -56,11 +56,11 @@ def run_one(job: dict) -> dict:
         save_steps=100_000, seed=0)
     ddp_experiment_callbacks = apply_ddp_experiments(experiments, config)
     sampler = StackSampler() if job.get("sample_stacks") else None
-    timer = _timer_class()(job["warmup"], job["steps"], cuda, ctx.rank, sampler)
+    timer = timer_class()(job["warmup"], job["steps"], cuda, ctx.rank, sampler)
     # The profiled step comes after the measured ones: the profiler's own overhead stays out of the timings. Every
     # rank profiles the same step (under DDP the ranks wait for each other, so one rank's wait is the other's work);
     # the report keeps rank 0's summary, the log has every rank's tables.
-    profiler = _step_profiler_class()(total_steps, cuda, ctx.rank, shape.vocab) if job.get("profile") else None
+    profiler = step_profiler_class()(total_steps, cuda, ctx.rank, shape.vocab) if job.get("profile") else None
     callbacks = ddp_experiment_callbacks + [timer] + ([profiler] if profiler is not None else [])
     history = train_run(job, model, tokenizer, dataset, config, plan, paths, callbacks, ctx)
     if not ctx.is_main:
