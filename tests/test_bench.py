@@ -180,6 +180,46 @@ def test_the_flat_sync_experiment_trains_the_same_weights_as_ddps_own_sync(tmp_p
     assert checksums["flat"] == checksums["ddp"]
 
 
+
+def test_an_experiment_whose_target_was_renamed_stops_naming_it_before_anything_is_replaced():
+    """A --variants experiment replaces a name in another module (PATCHES); a name that was renamed or moved would
+    leave the run measuring the default path under the experiment's label, so the lookup fails, naming both."""
+    import freetune.trainer
+    import pytest
+
+    bench = load_bench()
+    step = freetune.trainer.FreetuneTrainer.training_step
+    renamed = {"gc_unfrozen": (bench.Patch("freetune.trainer", "FreetuneTrainer.training_step", lambda old: None),),
+               "skip_guards": (bench.Patch("freetune.trainer", "FreetuneTrainer.training_step_v2", lambda old: None),),
+               "flat_sync": (bench.Patch("freetune.trainer", "RenamedTrainer.training_step", lambda old: None),)}
+    for experiment, missing in (("skip_guards", "FreetuneTrainer.training_step_v2"),
+                                ("flat_sync", "RenamedTrainer.training_step")):
+        with pytest.raises(bench.MissingPatchTarget, match=f"experiment {experiment}: freetune.trainer.{missing}"):
+            bench.patch_targets({"gc_unfrozen": True, experiment: True}, renamed)
+    assert freetune.trainer.FreetuneTrainer.training_step is step  # gc_unfrozen's row was found, but not applied
+    assert bench.patch_targets({"skip_guards": False}, renamed) == []  # not asked: not looked up
+    optional = {"no_asserts": (bench.Patch("torch._inductor.config", "an_assert_of_a_later_torch", lambda old: False,
+                                           optional=True),)}
+    assert bench.patch_targets({"no_asserts": True}, optional) == []
+
+
+def test_every_experiment_target_is_there_in_this_environment():
+    """Each row of PATCHES names a module attribute this venv's torch, TRL, transformers and freetune have, and every
+    experiment with rows is a --variants key bench.py takes out of the plan's overrides."""
+    bench = load_bench()
+    targets = bench.patch_targets({name: True for name in bench.PATCHES})
+    assert len(targets) == sum(len(rows) for rows in bench.PATCHES.values())
+    assert set(bench.PATCHES) <= set(bench.EXPERIMENTS)
+    import freetune.speed.lora_kernel
+
+    pack_mask = freetune.speed.lora_kernel.pack_mask
+    try:
+        bench.apply_experiments({"byte_masks": True}, bench.shape_of("tiny"), 0)
+        assert freetune.speed.lora_kernel.pack_mask("kept") == "kept"
+    finally:
+        freetune.speed.lora_kernel.pack_mask = pack_mask
+
+
 # ------------------------------------------------------------------------------------- the peer (issue 25) --
 
 def _run(mode, run, rate, peak, **extra):
