@@ -178,7 +178,7 @@ def test_a_mixture_of_experts_notebook_is_refused_at_the_recipes_dropout_and_tra
     assert refused.returncode != 0
     assert "Set lora_dropout = 0.0" in record["error"] and "ParamWrapper" in record["error"]
     failed = [c for c in notebook.cells if any(o.get("output_type") == "error" for o in c.get("outputs", []))]
-    assert len(failed) == 1 and "make_plan(" in failed[0].source  # the preflight, before any model loads
+    assert len(failed) == 1 and "run.preflight()" in failed[0].source  # the preflight, before any model loads
     trained, record, _ = run_recipe("tiny_4gb", "colab", tmp_path / "trained", ("model_id", moe),
                                     ("lora_dropout", "0.0"))
     assert trained.returncode == 0, trained.stderr[-3000:]
