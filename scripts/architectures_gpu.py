@@ -32,7 +32,6 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 if not __package__:
@@ -126,7 +125,7 @@ def plans(model_dir: Path, multiple: int):
                             "batching": "padding_free" if not aside["varlen"] else "grouped",
                             "mlp_kernel": "traced" if not aside["mlp"] else "layers",
                             "cuda_graph_tokens": multiple if not aside["graphs"] else 0})
-    ref32 = replace(plain, compute_dtype="float32", frozen_dtype="float32", mixed_precision="no")
+    ref32 = plain.replace(compute_dtype="float32", frozen_dtype="float32", mixed_precision="no")
     return plan, fast, plain, ref32, aside
 
 

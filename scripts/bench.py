@@ -53,7 +53,6 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import replace
 from pathlib import Path
 
 if not __package__:  # run as a file (python scripts/bench.py): its sibling modules by the package's name

@@ -160,9 +160,9 @@ def test_plan_merge_counts_parameters_from_the_config(tiny_model_dir, tmp_path):
     plan = export.plan_merge(str(tiny_model_dir), tmp_path / "merged", free_vram_bytes=0)
     real = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).num_parameters()
     assert plan.params == real and plan.weights_bytes == 2 * real
-    assert plan.fits and plan.layout.device == "cpu"
+    assert plan.fits and plan.device == "cpu"
     on_gpu = export.plan_merge(str(tiny_model_dir), tmp_path / "merged", free_vram_bytes=int(4e9))
-    assert on_gpu.layout.device == "cuda:0" and "fits in the GPU" in on_gpu.reasons["device"]
+    assert on_gpu.device == "cuda:0" and "fits in the GPU" in on_gpu.reasons["device"]
 
 
 def test_a_merge_that_cannot_fit_is_refused_before_loading(tiny_model_dir, adapter_dir, tmp_path):

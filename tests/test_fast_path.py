@@ -156,7 +156,7 @@ def test_the_plan_chooses_the_fast_path_and_says_why(monkeypatch):
     # Asked for explicitly, checkpointing is kept whatever the memory.
     kept = make_plan(machine("NVIDIA H200", (9, 0), 139.8, True), model_shape=shape, micro_batch=None, grad_accum=8,
                      gradient_checkpointing=True)
-    assert kept.gradient_checkpointing and kept.reasons["gradient_checkpointing"] == "as given"
+    assert kept.memory.checkpointing and kept.reasons["gradient_checkpointing"] == "as given"
     # A CPU run is a check: the plain stack's padded batches (the padding-free path is tested explicitly above).
     cpu = make_plan(Hardware(gpus=[], arch_list=[], bf16_supported=False, torch="2.13.0", cuda=None,
                              disk_free_gib={"/work": 60.0}, ram_total_gib=30.0, ram_available_gib=28.0),
