@@ -101,31 +101,31 @@ def load_base_model(model_id: str, plan: Plan, *, local_rank: int = 0, gradient_
     from transformers import AutoModelForCausalLM
 
     _check_model_source(model_id)
-    if memory_cap_gib and plan.device == "cuda":
+    if memory_cap_gib and plan.layout.device == "cuda":
         cap_gpu_memory(memory_cap_gib, local_rank)
     if gradient_checkpointing is None:
-        gradient_checkpointing = plan.gradient_checkpointing
-    if plan.attn_implementation == VARLEN_ATTENTION:
+        gradient_checkpointing = plan.memory.checkpointing
+    if plan.kernels.attention == VARLEN_ATTENTION:
         register_attention()  # transformers must know the name before from_pretrained
-    if quantize and plan.device == "cpu":
+    if quantize and plan.layout.device == "cpu":
         bnb_cpu.ensure_correct_dequantize()  # some CPUs' native 4-bit kernels dequantise odd-sized layers wrongly
     # The non-quantised weights load in the compute dtype (fp16 on a T4 whatever the config says).
-    kwargs = dict(dtype=plan.torch_dtype, attn_implementation=plan.attn_implementation)
-    fsdp = plan.layout == "fsdp"
+    kwargs = dict(dtype=plan.precision.torch_dtype, attn_implementation=plan.kernels.attention)
+    fsdp = plan.layout.kind == "fsdp"
     if quantize:
         # FSDP shards floating-point tensors only, and flattens one dtype per wrapped decoder layer: the packed
         # 4-bit weights are stored in the compute dtype (same bytes, 2 or 4 weights per element) so that
         # they shard beside the layer's norms. uint8 storage fails there ("Integer parameters are unsupported")
         # or, under FSDP2, silently loses the quantisation state (accelerate issue #3983).
-        kwargs["quantization_config"] = nf4_config(plan.torch_dtype, storage=plan.torch_dtype if fsdp else None)
+        kwargs["quantization_config"] = nf4_config(plan.precision.torch_dtype, storage=plan.precision.torch_dtype if fsdp else None)
     if fsdp:
         # A model that does not fit one GPU is quantised in host memory (by global rank 0 alone, see
         # _load_fsdp_rank0_only), and FSDP then moves it to the GPU one wrapped decoder layer at a time, keeping
         # 1/N of each. device_map must not name a GPU here.
         kwargs["device_map"] = {"": "cpu"}
-    elif plan.device == "cpu":
+    elif plan.layout.device == "cpu":
         kwargs["device_map"] = {"": "cpu"}  # bitsandbytes would put a 4-bit model on a GPU that a CPU plan ignores
-    elif plan.device == "cuda":
+    elif plan.layout.device == "cuda":
         # One full copy per process on its own GPU (DDP). Never "auto"/"balanced": those split the layers
         # across GPUs, which runs them one after another, slower than one GPU.
         kwargs["device_map"] = {"": local_rank}
@@ -138,7 +138,7 @@ def load_base_model(model_id: str, plan: Plan, *, local_rank: int = 0, gradient_
     except OSError as exc:
         raise FreetuneError(f"Could not load model {model_id!r}: {reason(exc)}. Check `model_id`, that this "
                             f"machine is online, and HF_TOKEN for gated models.") from exc
-    if fsdp or (quantize and plan.frozen_dtype != "float32"):
+    if fsdp or (quantize and plan.precision.frozen_dtype != "float32"):
         # Not prepare_model_for_kbit_training: its fp32 upcast of norms and embeddings would mix dtypes inside
         # a wrapped layer, which FSDP cannot flatten, and on a GPU only doubles what frozen weights and the residual
         # stream take (Plan.frozen_dtype). The rest of what it does, done here: freeze the base, let gradients reach
@@ -155,7 +155,7 @@ def load_base_model(model_id: str, plan: Plan, *, local_rank: int = 0, gradient_
     elif gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False  # the KV cache is useless in training and conflicts with checkpointing
-    if quantize and plan.device == "cpu":
+    if quantize and plan.layout.device == "cpu":
         peft_bnb_reach.keep_cpu_inference_layout(model)
     return model
 

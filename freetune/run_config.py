@@ -8,7 +8,7 @@ the ranks train on exactly what the notebook showed, without a second list of na
     run = freetune.RunConfig.from_cell(globals(), recipe="svg_coder", target="colab")
     run = run.preflight()                      # the plan for this machine; Hub tokens checked before any training
     run = run.with_paths()                     # the run's folders (on Colab, Google Drive if use_drive)
-    run.lora_rank, run.plan.micro_batch, run.paths.adapter
+    run.lora_rank, run.plan.batch.micro_batch, run.paths.adapter
 """
 
 from __future__ import annotations
@@ -124,9 +124,8 @@ class RunConfig:
         record = json.loads(Path(path).read_text())
         plan = None
         if record.get("plan") is not None:
-            fields = {f.name for f in dataclasses.fields(Plan) if f.init}
-            # The memory estimate is for display in the notebook; the ranks need only the decisions.
-            plan = Plan(**{k: v for k, v in record["plan"].items() if k in fields and k != "memory"})
+            # The memory estimate is for display in the notebook; the ranks need only the decisions (from_dict).
+            plan = Plan.from_dict(record["plan"])
             plan = for_world(plan, int(os.environ.get("WORLD_SIZE", "1")))
         paths = Paths(**record["paths"]) if record.get("paths") is not None else None
         return cls(parameters=record["parameters"], recipe=record.get("recipe", ""), target=record.get("target"),

@@ -92,9 +92,9 @@ def _sft_config(paths: Paths, plan: Plan, *, max_steps: int, learning_rate: floa
     import torch
     from trl import SFTConfig
 
-    micro_batch = plan.micro_batch if micro_batch is None else micro_batch
-    grad_accum = plan.grad_accum if grad_accum is None else grad_accum
-    max_length = plan.max_length if max_length is None else max_length
+    micro_batch = plan.batch.micro_batch if micro_batch is None else micro_batch
+    grad_accum = plan.batch.grad_accum if grad_accum is None else grad_accum
+    max_length = plan.batch.max_length if max_length is None else max_length
     if save_total_limit is None or save_total_limit < 2:
         raise FreetuneError(f"save_total_limit = {save_total_limit}: keep at least 2 checkpoints, so that a session "
                             f"lost while the newest one is written still leaves a complete one to resume from.")
@@ -103,7 +103,7 @@ def _sft_config(paths: Paths, plan: Plan, *, max_steps: int, learning_rate: floa
     param_rules.require(grad_accum=grad_accum, learning_rate=learning_rate, max_length=max_length,
                         max_grad_norm=max_grad_norm, logging_steps=logging_steps, save_steps=save_steps, seed=seed)
     if gradient_checkpointing is None:
-        gradient_checkpointing = plan.gradient_checkpointing
+        gradient_checkpointing = plan.memory.checkpointing
     config = SFTConfig(
         output_dir=paths.checkpoints,
         max_steps=max_steps,
@@ -115,13 +115,13 @@ def _sft_config(paths: Paths, plan: Plan, *, max_steps: int, learning_rate: floa
         warmup_steps=max(1, math.ceil(warmup_ratio * max_steps)) if max_steps > 0 else 0,
         optim=_optimizer(plan, optimizer),
         max_grad_norm=max_grad_norm,
-        fp16=plan.mixed_precision == "fp16",
-        bf16=plan.mixed_precision == "bf16",
-        use_cpu=plan.device == "cpu",
+        fp16=plan.precision.mixed == "fp16",
+        bf16=plan.precision.mixed == "bf16",
+        use_cpu=plan.layout.device == "cpu",
         max_length=max_length,
         # Compiled layers guard on the token count's divisibility by 8 and recompile when it changes; padded
         # batches are padded to a multiple of 8 for that (padding-free ones get batching.AlignedPaddingFree's row).
-        pad_to_multiple_of=PAD_TO if plan.compile and plan.batching != "padding_free" else None,
+        pad_to_multiple_of=PAD_TO if plan.kernels.compile and plan.batch.batching != "padding_free" else None,
         assistant_only_loss=assistant_only,
         logging_steps=logging_steps,
         logging_first_step=True,
@@ -133,13 +133,13 @@ def _sft_config(paths: Paths, plan: Plan, *, max_steps: int, learning_rate: floa
         data_seed=seed,
         # Similar lengths in a padded batch: little padding where rows cannot be concatenated (freetune.speed.batching).
         # "rank_balanced" is freetune's own (freetune.speed.sampler), put in by the trainer (FreetuneTrainer).
-        train_sampling_strategy="group_by_length" if plan.sampler == "length_grouped" else "random",
+        train_sampling_strategy="group_by_length" if plan.layout.sampler == "length_grouped" else "random",
         **_checkpointing_fields(plan, gradient_checkpointing),
         **_host_sync_fields(plan),
         **fsdp_settings(plan),
         **tracking.sft_fields(paths, report_to=report_to, eval_steps=eval_steps, micro_batch=micro_batch),
     )
-    if plan.device == "cuda" and torch.cuda.device_count() > 1 and "LOCAL_RANK" not in os.environ:
+    if plan.layout.device == "cuda" and torch.cuda.device_count() > 1 and "LOCAL_RANK" not in os.environ:
         # One process that sees two GPUs makes the Trainer wrap the model in nn.DataParallel, which SFTTrainer
         # refuses. Inline training uses one GPU; the Kaggle notebook's torchrun cell uses them all.
         transformers_reach.one_gpu_only(config)
@@ -151,10 +151,10 @@ def _sft_config(paths: Paths, plan: Plan, *, max_steps: int, learning_rate: floa
 def _optimizer(plan: Plan, optimizer: str) -> str:
     """The Trainer's optim: the plan's for "auto" (freetune.plan.sizing.choose_optimizer); one that runs on a CPU there."""
     if optimizer == "auto":
-        optimizer = plan.optimizer
-    if plan.device == "cpu":
+        optimizer = plan.memory.optimizer
+    if plan.layout.device == "cpu":
         asked = optimizer
-        optimizer = choose_optimizer(optimizer, plan.device, None, None, 0, "all-linear").value
+        optimizer = choose_optimizer(optimizer, plan.layout.device, None, None, 0, "all-linear").value
         if optimizer != asked:  # bitsandbytes' paged/8-bit optimisers need CUDA
             print0(f"Optimizer {asked} needs a GPU: using {optimizer} on the CPU.")
     return optimizer
@@ -166,10 +166,10 @@ def _checkpointing_fields(plan: Plan, gradient_checkpointing: bool) -> dict:
         # every_n_layers: only every n-th layer is checkpointed where the plan found room for the others
         # (choices.choose_checkpoint_every); the Trainer passes it to gradient_checkpointing_enable.
         gradient_checkpointing_kwargs={"use_reentrant": False, **(
-            {"every_n_layers": plan.checkpoint_every} if plan.checkpoint_every > 1 else {})},
+            {"every_n_layers": plan.memory.checkpoint_every} if plan.memory.checkpoint_every > 1 else {})},
         # The checkpointed layers' inputs wait in pinned host memory (TRL's activation offloading, copies on a
         # stream of their own) when the plan says they take a real share of the GPU (choices.choose_offload).
-        activation_offloading=plan.offload_activations and gradient_checkpointing,
+        activation_offloading=plan.memory.offload_activations and gradient_checkpointing,
     )
 
 
@@ -190,14 +190,14 @@ def _host_sync_fields(plan: Plan) -> dict:
         # - no check of each micro-batch's loss for NaN/inf (the Trainer's filter reads it on the host, waiting for
         #   the whole backward and, under DDP, the gradient all-reduce); a NaN loss shows in the log as NaN
         #   rather than being replaced by the average of earlier ones.
-        dataloader_pin_memory=plan.device == "cuda",
-        accelerator_config={"non_blocking": plan.device == "cuda"},
+        dataloader_pin_memory=plan.layout.device == "cuda",
+        accelerator_config={"non_blocking": plan.layout.device == "cuda"},
         logging_nan_inf_filter=False,
     )
 
 
 def fsdp_settings(plan: Plan) -> dict:
-    """The Trainer's FSDP settings for plan.layout == "fsdp" (empty otherwise): the model sharded over the ranks.
+    """The Trainer's FSDP settings for plan.layout.kind == "fsdp" (empty otherwise): the model sharded over the ranks.
 
     - FSDP1 (fsdp_config version 1): FSDP2 unshards bitsandbytes' Params4bit into plain tensors and breaks the
       packed NF4 weights (bitsandbytes issue #1945, accelerate #3983); FSDP1 with the 4-bit weights stored in the
@@ -210,9 +210,9 @@ def fsdp_settings(plan: Plan) -> dict:
     - FULL_STATE_DICT: a checkpoint's adapter is gathered to rank 0 and written by it alone, the same files
       as a DDP run's (freetune.checkpoint's complete-marker contract is unchanged).
     """
-    if plan.layout != "fsdp":
+    if plan.layout.kind != "fsdp":
         return {}
-    if plan.device != "cuda":
+    if plan.layout.device != "cuda":
         raise FreetuneError("layout 'fsdp' needs GPUs: accelerate's FSDP plugin refuses a CPU run. Use layout "
                             "'auto' (DDP over CPU processes) here, and FSDP on a machine with several GPUs.")
     return dict(fsdp="full_shard auto_wrap", fsdp_config={

@@ -62,7 +62,7 @@ class FreetuneTrainer(SFTTrainer):
         if self.eval_dataset is not None:
             # evaluations between steps must not repack it for inference
             peft_bnb_reach.keep_training_layout(self.model)
-        trl_reach.apply_batching(self, plan.batching if plan is not None else "padded")
+        trl_reach.apply_batching(self, plan.batch.batching if plan is not None else "padded")
 
     # ---- metrics, read once per log step ----------------------------------------------------------------------
 
@@ -161,9 +161,9 @@ class FreetuneTrainer(SFTTrainer):
     def _get_train_sampler(self, train_dataset=None):
         dataset = self.train_dataset if train_dataset is None else train_dataset
         plan = self.plan
-        if plan is not None and plan.sampler == "rank_balanced" and "input_ids" in getattr(
+        if plan is not None and plan.layout.sampler == "rank_balanced" and "input_ids" in getattr(
                 dataset, "column_names", ()):
-            return rank_balanced_sampler(dataset, self.args, group_by_length=plan.batching == "grouped")
+            return rank_balanced_sampler(dataset, self.args, group_by_length=plan.batch.batching == "grouped")
         return super()._get_train_sampler(train_dataset)
 
     # ---- resume ---------------------------------------------------------------------------------------------------

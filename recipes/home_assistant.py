@@ -137,7 +137,7 @@ print(freetune.model.check_chat_template(tokenizer, rows))
 # Audited and cleaned before the split: the held-out rows pass the same checks, and with duplicates and
 # conflicting answers gone no prompt can be on both sides.
 rows, audit_report, cleaning = freetune.audit.audit_and_clean(
-    rows, tokenizer=tokenizer, max_length=run.plan.max_length, checks=freetune.tasks.audit_checks(run.task),
+    rows, tokenizer=tokenizer, max_length=run.plan.batch.max_length, checks=freetune.tasks.audit_checks(run.task),
     source=run.dataset, auto_clean=run.auto_clean, accept_problems=run.accept_data_problems,
 )
 train_rows, held_out = freetune.data.split_eval(rows, run.eval_rows, seed=run.seed)
@@ -167,7 +167,7 @@ model = freetune.model.load_base_model(run.model_id, run.plan, local_rank=dist.l
 model, trainable, total = freetune.model.attach_lora(model, rank=run.lora_rank, alpha=run.lora_alpha,
                                                      dropout=run.lora_dropout, target_modules=run.lora_targets,
                                                      seed=run.seed)
-freetune.distributed.print_layout(dist, run.plan.micro_batch, run.plan.grad_accum, trainable, total)
+freetune.distributed.print_layout(dist, run.plan.batch.micro_batch, run.plan.batch.grad_accum, trainable, total)
 
 # %% [markdown]
 # ## Train

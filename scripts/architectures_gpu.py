@@ -32,7 +32,6 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 if not __package__:
@@ -120,13 +119,13 @@ def plans(model_dir: Path, multiple: int):
     aside["attention"] = "" if own == "sdpa" else f"{own}: soft-capped logits (sdpa would drop the cap)"
     common = dict(lora_kernel="peft", compile=False, gradient_checkpointing=True, checkpoint_every=1,
                   mlp_kernel="layers", cuda_graph_tokens=0, embeddings_on_host=False, offload_activations=False)
-    plain = replace(plan, attn_implementation=own, batching="padded", **common)
-    fast = replace(plan, **{**common, "lora_kernel": "fused", "compile": True,
+    plain = plan.replace(attn_implementation=own, batching="padded", **common)
+    fast = plan.replace(**{**common, "lora_kernel": "fused", "compile": True,
                             "attn_implementation": VARLEN_ATTENTION if not aside["varlen"] else own,
                             "batching": "padding_free" if not aside["varlen"] else "grouped",
                             "mlp_kernel": "traced" if not aside["mlp"] else "layers",
                             "cuda_graph_tokens": multiple if not aside["graphs"] else 0})
-    ref32 = replace(plain, compute_dtype="float32", frozen_dtype="float32", mixed_precision="no")
+    ref32 = plain.replace(compute_dtype="float32", frozen_dtype="float32", mixed_precision="no")
     return plan, fast, plain, ref32, aside
 
 
@@ -158,22 +157,22 @@ class FastPath:
         from freetune.speed.batching import most_rows
 
         self.model, self.graphed, self.stream, self.applied = model, None, None, {}
-        compiled = plan.compile and compile_layers
+        compiled = plan.kernels.compile and compile_layers
         fused, seen = lora_kernel.use_fused_lora(model, keep_8bit_absmax=keeps_8bit_absmax("fused", compiled,
-                                                                                        plan.mlp_kernel))
+                                                                                        plan.kernels.mlp))
         self.applied["fused LoRA"] = f"{fused} of {seen}"
-        self.undo_cast = lora_kernel.cast_adapters_once_per_forward(model, same_buffers=bool(plan.cuda_graph_tokens))
+        self.undo_cast = lora_kernel.cast_adapters_once_per_forward(model, same_buffers=bool(plan.kernels.cuda_graph_tokens))
         self.applied["cast once"] = bool(self.undo_cast)
-        if plan.mlp_kernel == "traced":
+        if plan.kernels.mlp == "traced":
             fused, seen = mlp.use_fused_mlp(model, kernel="traced")
             self.applied["fused MLP"] = f"{fused} of {seen}"
-        if plan.batching == "padding_free":
+        if plan.batch.batching == "padding_free":
             ok, why = attention.varlen_works(torch.cuda.current_device(), "turing")
             self.applied["varlen"] = attention.varlen_backend() if ok else f"probe failed: {why}"
         if compiled:
             self.applied["compile"] = f"{compiled_layers.compile_layers(model)} layers"
-        if plan.cuda_graph_tokens:
-            multiple = plan.cuda_graph_tokens
+        if plan.kernels.cuda_graph_tokens:
+            multiple = plan.kernels.cuda_graph_tokens
             self.graphed = cuda_graphs.GraphedLayers(
                 model, max_tokens=-(-ROWS * MAX_LENGTH // multiple) * multiple, max_row=MAX_LENGTH,
                 max_rows=most_rows(ROWS, multiple, MAX_LENGTH), fixed_pairs=True)
@@ -256,10 +255,10 @@ def one_architecture(architecture: str, work: Path, tokenizer_dir: Path, compile
            "padded_tokens": padded["input_ids"].numel(), "aside": aside,
            "plan_at_t4_cap": {k: plan.reasons.get(k, "") for k in ("attention", "batching", "mlp_kernel",
                                                                     "cuda_graphs", "gradient_checkpointing")},
-           "plan_values": {"attention": plan.attn_implementation, "batching": plan.batching,
-                           "mlp_kernel": plan.mlp_kernel, "cuda_graph_tokens": plan.cuda_graph_tokens,
-                           "checkpoint_every": plan.checkpoint_every if plan.gradient_checkpointing else 0,
-                           "compile": plan.compile, "micro_batch": plan.micro_batch}}
+           "plan_values": {"attention": plan.kernels.attention, "batching": plan.batch.batching,
+                           "mlp_kernel": plan.kernels.mlp, "cuda_graph_tokens": plan.kernels.cuda_graph_tokens,
+                           "checkpoint_every": plan.memory.checkpoint_every if plan.memory.checkpointing else 0,
+                           "compile": plan.kernels.compile, "micro_batch": plan.batch.micro_batch}}
 
     def run(which, model_plan, autocast):
         model = load(model_dir, model_plan)
@@ -272,7 +271,7 @@ def one_architecture(architecture: str, work: Path, tokenizer_dir: Path, compile
                 loss, grads = step(model, packed, autocast)
             rate = None
             if which != "ref32":
-                batch = packed if which == "fast" and model_plan.batching == "padding_free" else padded
+                batch = packed if which == "fast" and model_plan.batch.batching == "padding_free" else padded
                 rate = tokens_per_s(model, batch, real, autocast, steps)
             peak = round(torch.cuda.max_memory_allocated() / 2**30, 3)
             return loss, grads, rate, peak, (features.applied if features else {})

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import replace
 from pathlib import Path
 
 from freetune.plan import ModelShape
@@ -115,19 +114,19 @@ def job_plan(job: dict, shape: ModelShape, run_dir: Path):
                           "attention": "plain stack: sdpa", "sampler": "plain stack: random order"})
     if job["run"] == "free_tier":
         plain["reasons"].update(batch="free-tier recipe", gradient_checkpointing="free-tier recipe")
-        plan = replace(plan, micro_batch=1, grad_accum=ROWS_PER_STEP, gradient_checkpointing=True, **plain)
+        plan = plan.replace(micro_batch=1, grad_accum=ROWS_PER_STEP, gradient_checkpointing=True, **plain)
     elif job["run"] == "plain_best":
-        plan = replace(plan, **plain)
+        plan = plan.replace(**plain)
     elif job.get("batching"):  # --tiny: a CPU plan keeps padded batches; smoke the GPU's padding-free path
-        plan = replace(plan, batching=job["batching"],
-                       reasons={**plan.reasons, "batching": f"{job['batching']}, as --tiny asks"})
+        plan = plan.replace(batching=job["batching"],
+                            reasons={**plan.reasons, "batching": f"{job['batching']}, as --tiny asks"})
     overrides = dict(job.get("overrides") or {})
     experiments = {k: overrides.pop(k) for k in EXPERIMENTS if k in overrides}
     # fp32_absmax: the fused layers' fp32 absmax copy even where compiled layers decode 8-bit, as a plan variant.
     if experiments.pop("fp32_absmax", False):
         overrides["keep_8bit_absmax"] = False
     if overrides:  # a --variants run: freetune's plan with some choices changed
-        plan = replace(plan, **overrides, reasons={**plan.reasons, **{k: "as --variants asks" for k in overrides}})
+        plan = plan.replace(**overrides, reasons={**plan.reasons, **{k: "as --variants asks" for k in overrides}})
     return plan, experiments
 
 
@@ -175,27 +174,28 @@ def measurements(job: dict, shape: ModelShape, plan, config, history: list[dict]
     real_tokens = tokens[total_steps] - tokens[warmup]
     result = {
         "mode": job["mode"], "run": job["run"], "world_size": job["world"], "model_shape": shape.name,
-        "precision": plan.mixed_precision, "cap_gib": job["cap_gib"], "max_length": job["max_length"],
-        "micro_batch": plan.micro_batch, "grad_accum": plan.grad_accum, "batching": plan.batching,
-        "gradient_checkpointing": plan.gradient_checkpointing, "attention": plan.attn_implementation,
+        "precision": plan.precision.mixed, "cap_gib": job["cap_gib"], "max_length": job["max_length"],
+        "micro_batch": plan.batch.micro_batch, "grad_accum": plan.batch.grad_accum, "batching": plan.batch.batching,
+        "gradient_checkpointing": plan.memory.checkpointing, "attention": plan.kernels.attention,
         "trainable_params": trainable, "measured_steps": measured, "warmup_steps": warmup,
         "tokens": real_tokens, "seconds": round(seconds, 3), "tokens_per_s": round(real_tokens / seconds, 1),
         "step_s": round(seconds / measured, 4),
         "pad_fraction": round(sum(pads) / len(pads), 4) if pads else None,
         "losses": [round(h["loss"], 4) for h in history if "loss" in h],
-        "lora_kernel": plan.lora_kernel, "mlp_kernel": plan.mlp_kernel, "compile": plan.compile,
-        "optimizer": plan.optimizer,
-        "sampler": plan.sampler, "logging_steps": config.logging_steps,
-        "frozen_dtype": plan.frozen_dtype, "offload_activations": plan.offload_activations,
+        "lora_kernel": plan.kernels.lora, "mlp_kernel": plan.kernels.mlp, "compile": plan.kernels.compile,
+        "optimizer": plan.memory.optimizer,
+        "sampler": plan.layout.sampler, "logging_steps": config.logging_steps,
+        "frozen_dtype": plan.precision.frozen_dtype, "offload_activations": plan.memory.offload_activations,
         "max_micro_batch_tokens": most_tokens,
         "budget_gib": job.get("budget_gib") or job["cap_gib"] or None, "matched_to": job.get("matched_to"),
         "peak_target_gib": job.get("peak_target_gib"),
         # The plan's estimate of this run's peak (every row at max_length), and re-made at the largest micro-batch
         # this run really saw: how far the memory model is from the measured peak.
-        "estimate_gib": round(plan.memory.peak_allocated_gib, 3) if plan.memory is not None else None,
+        "estimate_gib": (round(plan.memory.estimate.peak_allocated_gib, 3) if plan.memory.estimate is not None
+                         else None),
         "estimate_at_seen_tokens_gib": seen_estimate(plan, shape, most_tokens),
     }
-    if plan.compile:
+    if plan.kernels.compile:
         # What the compiled layers became: one graph per layer and no break is the fast shape; breaks or graphs per
         # length mean pieces running eagerly (the regression of reports/gpu/bench_breaks_fn_disabled.json).
         from torch._dynamo.utils import counters
@@ -231,11 +231,12 @@ def seen_estimate(plan, shape: ModelShape, tokens: int) -> float | None:
     """freetune.plan.memory.estimate with the plan's settings at `tokens` tokens in one micro-batch."""
     from freetune.plan import estimate
 
-    if plan.memory is None or not tokens:
+    if plan.memory.estimate is None or not tokens:
         return None
-    settings = {k: v for k, v in plan.memory.settings.items() if k not in ("model", "max_length", "micro_batch")}
-    settings.update(gradient_checkpointing=plan.gradient_checkpointing, optimizer=plan.optimizer,
-                    lora_kernel=plan.lora_kernel, frozen_dtype=plan.frozen_dtype,
-                    offload_activations=plan.offload_activations, mlp_kernel=plan.mlp_kernel,
-                    loss_tile_tokens=plan.loss_tile_tokens)
+    settings = {k: v for k, v in plan.memory.estimate.settings.items()
+                if k not in ("model", "max_length", "micro_batch")}
+    settings.update(gradient_checkpointing=plan.memory.checkpointing, optimizer=plan.memory.optimizer,
+                    lora_kernel=plan.kernels.lora, frozen_dtype=plan.precision.frozen_dtype,
+                    offload_activations=plan.memory.offload_activations, mlp_kernel=plan.kernels.mlp,
+                    loss_tile_tokens=plan.kernels.loss_tile_tokens)
     return round(estimate(shape, max_length=tokens, micro_batch=1, **settings).peak_allocated_gib, 3)

@@ -105,9 +105,9 @@ def worker(args) -> int:
                      max_length=args.max_length, lora_rank=args.lora_rank, lora_targets=LORA_TARGETS,
                      optimizer="adamw_torch", memory_budget_gib=args.cap_gib or None, gradient_checkpointing=True)
     # The same rows per step in every job: the plan's memory-based batch choice is not what is compared here.
-    plan.micro_batch, plan.grad_accum, plan.max_length = args.micro_batch, args.grad_accum, args.max_length
-    record.update(layout=plan.layout, layout_why=plan.reasons.get("layout"),
-                  estimate_gib=plan.memory.total_gib if plan.memory else None, plan_warnings=plan.warnings)
+    plan.batch.micro_batch, plan.batch.grad_accum, plan.batch.max_length = args.micro_batch, args.grad_accum, args.max_length
+    record.update(layout=plan.layout.kind, layout_why=plan.reasons.get("layout"),
+                  estimate_gib=plan.memory.estimate.total_gib if plan.memory.estimate else None, plan_warnings=plan.warnings)
     run_dir = Path(args.run_dir)
     paths = Paths.under(run_dir)
     if ctx.is_main:

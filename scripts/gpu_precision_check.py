@@ -202,12 +202,12 @@ def check_policy(name: str, args, work: Path) -> dict:
     if config_dtype != "bfloat16":
         failures.append(f"the model's config says {config_dtype}, not bfloat16: the check proves nothing")
     if torch.cuda.is_available():
-        if (plan.compute_dtype, plan.mixed_precision) != expected:
-            failures.append(f"plan chose {plan.compute_dtype}/{plan.mixed_precision}, expected {expected}")
+        if (plan.precision.compute_dtype, plan.precision.mixed) != expected:
+            failures.append(f"plan chose {plan.precision.compute_dtype}/{plan.precision.mixed}, expected {expected}")
         if name == "turing" and result.get("dtypes", {}).get("all", {}).get("bfloat16"):
             failures.append(f"bf16 weights left on the fp16 path: {result['dtypes']['all']}")
-    return {"check": name, "plan": {"compute_dtype": plan.compute_dtype, "mixed_precision": plan.mixed_precision,
-                                    "attn_implementation": plan.attn_implementation},
+    return {"check": name, "plan": {"compute_dtype": plan.precision.compute_dtype, "mixed_precision": plan.precision.mixed,
+                                    "attn_implementation": plan.kernels.attention},
             "config_dtype": config_dtype, **result, "failures": failures, "passed": not failures}
 
 
@@ -241,9 +241,9 @@ def check_tiny_4gb(args, work: Path) -> dict:
     peak = result.get("peak_allocated_gib")
     if cuda and peak is not None and peak >= PEAK_LIMIT_GIB:
         failures.append(f"peak allocated {peak:.2f} GiB >= {PEAK_LIMIT_GIB} GiB")
-    return {"check": "tiny_4gb", "cap_gib": CAP_GIB if cuda else None, "policy": plan.policy,
-            "estimate_peak_allocated_gib": plan.memory.peak_allocated_gib if plan.memory else None,
-            "estimate": plan.memory.to_dict() if plan.memory else None, **result,
+    return {"check": "tiny_4gb", "cap_gib": CAP_GIB if cuda else None, "policy": plan.precision.policy,
+            "estimate_peak_allocated_gib": plan.memory.estimate.peak_allocated_gib if plan.memory.estimate else None,
+            "estimate": plan.memory.estimate.to_dict() if plan.memory.estimate else None, **result,
             "failures": failures, "passed": not failures}
 
 
@@ -286,7 +286,7 @@ def check_calibrate(args, work: Path) -> dict:
                              learning_rate=args.lr, max_grad_norm=1.0, optimizer="paged_adamw_8bit",
                              work=work / f"b{micro_batch}")
         est = estimate(KNOWN_SHAPES["qwen2.5-1.5b"], max_length=1024, micro_batch=micro_batch,
-                       compute_dtype=plan.compute_dtype)
+                       compute_dtype=plan.precision.compute_dtype)
         runs.append({"micro_batch": micro_batch, "measured_peak_allocated_gib": result.get("peak_allocated_gib"),
                      "estimated_peak_allocated_gib": est.peak_allocated_gib, "estimate": est.to_dict(),
                      "error": result.get("error")})

@@ -44,7 +44,7 @@ def main() -> None:
             return loader(cls, *args, **kwargs)
 
         transformers.AutoModelForCausalLM.from_pretrained = classmethod(slow_download)
-    plan = Plan(device="cpu", compute_dtype="float32", mixed_precision="no", attn_implementation="sdpa",
+    plan = Plan.build(device="cpu", compute_dtype="float32", mixed_precision="no", attn_implementation="sdpa",
                 layout="fsdp" if mode in ("fsdp", "single") else None)
     import bitsandbytes  # noqa: F401 - imported before the measurement below, so that it counts weights only
     import peft  # noqa: F401

@@ -155,7 +155,7 @@ def main() -> None:
     paths = Paths.under(run_dir)
     if ctx.is_main:
         paths.make()
-    plan = Plan(device="cpu", compute_dtype="float32", mixed_precision="no", attn_implementation="sdpa",
+    plan = Plan.build(device="cpu", compute_dtype="float32", mixed_precision="no", attn_implementation="sdpa",
                 layout=job.get("layout"),  # "fsdp": the sharded path (tests/test_multihost.py), else DDP/single
                 # What make_plan picks under torchrun: a resumed run must take up the balanced order where it was.
                 sampler="rank_balanced" if ctx.world_size > 1 else "random")

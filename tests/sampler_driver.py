@@ -51,7 +51,7 @@ def main() -> None:
         batches.append({"rows": [int(r[0]) - 10 for r in ids],  # padding is on the right: the first token is real
                         "tokens": [int(m.sum()) for m in mask] if mask is not None else [int(ids.numel())]})
     (out_dir / f"rank{ctx.rank}.json").write_text(json.dumps({
-        "sampler": plan.sampler, "why": plan.reasons.get("sampler"), "world_size": ctx.world_size,
+        "sampler": plan.layout.sampler, "why": plan.reasons.get("sampler"), "world_size": ctx.world_size,
         "sampler_class": type(trainer._get_train_sampler()).__name__, "batches": batches}))
     freetune.distributed.cleanup()
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from freetune.fixtures import cached_tiny_model
-from freetune.plan import Hardware, ModelShape, decisions
+from freetune.plan import Hardware, ModelShape, Plan, decisions
 from freetune.speed import attention, batching, cuda_graphs, lora_kernel
 from test_graphed_layers import packed_batch, step
 
@@ -117,18 +117,16 @@ def test_the_graphs_refuse_layers_whose_masks_or_rotary_embeddings_differ(archit
     with pytest.raises(ValueError, match="decoder layer 1 gets other keyword arguments than layer 0 "
                                          r"\(.*attention_mask.*\)"):
         step(model, packed_batch(ROWS, pad_to=PAD_TO, max_row=MAX_ROW))
-    from types import SimpleNamespace
 
-    plan = SimpleNamespace(device="cuda", batching="padding_free", gradient_checkpointing=True, checkpoint_every=1)
+    plan = Plan.build(device="cuda", batching="padding_free", gradient_checkpointing=True, checkpoint_every=1)
     assert "different masks or rotary embeddings" in cuda_graphs.why_not(model, plan, 1, cast_once=True)
 
 
 def test_the_graphs_step_aside_for_experts_whose_lora_weights_they_would_not_train():
-    from types import SimpleNamespace
 
     model, _ = freetune_path(cached_tiny_model("qwen3_moe"), "sdpa", graphs=False)
     assert cuda_graphs.unfused_trainable(model)  # the experts' LoRA weights (peft's ParamWrapper)
-    plan = SimpleNamespace(device="cuda", batching="padding_free", gradient_checkpointing=True, checkpoint_every=1)
+    plan = Plan.build(device="cuda", batching="padding_free", gradient_checkpointing=True, checkpoint_every=1)
     reason = cuda_graphs.why_not(model, plan, 1, cast_once=True)
     assert "mixture of experts" in reason and "trainable weights outside the fused LoRA layers" in reason
 

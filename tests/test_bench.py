@@ -404,9 +404,9 @@ def test_the_svg_sample_rows_are_svg_coders_chats_and_the_plan_is_sized_from_the
     cut = bench.job_plan({**job, "longest_row": None}, shape, tmp_path)[0]
     # The estimate sizes the micro-batch's rows at the longest row, not at max_length (the 59.4 GiB estimate
     # for a run that peaked at 7.3); with room left under the cap the plan then needs no checkpointing.
-    assert (sized.memory.settings["max_length"], cut.memory.settings["max_length"]) == (longest, 1024)
-    assert sized.micro_batch == cut.micro_batch == 8
-    assert not sized.gradient_checkpointing and cut.gradient_checkpointing
+    assert (sized.memory.estimate.settings["max_length"], cut.memory.estimate.settings["max_length"]) == (longest, 1024)
+    assert sized.batch.micro_batch == cut.batch.micro_batch == 8
+    assert not sized.memory.checkpointing and cut.memory.checkpointing
 
     # A shape whose vocabulary has no room for Qwen's token ids is refused before anything is built or measured.
     done = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--rows", "svg_sample", "--modes",
@@ -442,8 +442,8 @@ def test_the_memory_matched_run_is_planned_for_the_peers_peak_measured_before_it
     shape = bench.shape_of("qwen2.5-1.5b")
     default, _ = bench.job_plan({**job, "match_peer": False}, shape, tmp_path)
     plan, _ = bench.job_plan(matched, shape, tmp_path)
-    assert default.memory.budget_gib == 14.5 and plan.memory.budget_gib == matched["budget_gib"]
-    assert plan.memory.total_gib <= matched["budget_gib"] < default.memory.total_gib
+    assert default.memory.estimate.budget_gib == 14.5 and plan.memory.estimate.budget_gib == matched["budget_gib"]
+    assert plan.memory.estimate.total_gib <= matched["budget_gib"] < default.memory.estimate.total_gib
     # On a GPU (described, this machine has none) that budget plans 8 x 1,024 tokens, every layer checkpointed and
     # offloaded, with an estimated peak allocated under the target
     from freetune.plan import GPU, Hardware, make_plan
@@ -452,8 +452,8 @@ def test_the_memory_matched_run_is_planned_for_the_peers_peak_measured_before_it
                     bf16_supported=True, torch="2.11.0", cuda="13.0", ram_total_gib=128.0, ram_available_gib=120.0)
     on_gpu = make_plan(h200, model_shape=shape, max_length=1024, micro_batch=None, grad_accum=8, lora_rank=16,
                        precision="fp16", memory_budget_gib=matched["budget_gib"], lora_dropout=0.05)
-    assert on_gpu.memory.peak_allocated_gib <= matched["peak_target_gib"] < on_gpu.memory.total_gib
-    assert (on_gpu.micro_batch, on_gpu.checkpoint_every, on_gpu.offload_activations) == (8, 1, True)
+    assert on_gpu.memory.estimate.peak_allocated_gib <= matched["peak_target_gib"] < on_gpu.memory.estimate.total_gib
+    assert (on_gpu.batch.micro_batch, on_gpu.memory.checkpoint_every, on_gpu.memory.offload_activations) == (8, 1, True)
 
 
 def test_the_row_length_option_and_the_8b_mode_set_the_rows_and_bad_values_are_refused_before_any_work():

@@ -64,13 +64,13 @@ def test_padding_free_path_matches_the_plain_loss_and_computes_no_padding(tiny_m
 
     # The plain stack: TRL's trainer and collator untouched (the fp32 LoRA guard only undoes TRL's bf16 cast,
     # which the fast path undoes too, so both train the same fp32 weights).
-    _, model, config = model_and_config(Plan(**common, batching="padded"), "plain")
+    _, model, config = model_and_config(Plan.build(**common, batching="padded"), "plain")
     plain = SFTTrainer(model=model, args=config, train_dataset=varied_rows(), processing_class=tokenizer,
                        callbacks=[adapter_dtype_guard()])
     plain.train()
     plain_losses = losses(plain.state.log_history)
 
-    fast_plan = Plan(**common, batching="padding_free")
+    fast_plan = Plan.build(**common, batching="padding_free")
     paths, model, config = model_and_config(fast_plan, "fast")
     summary = freetune.train.train(model, tokenizer, varied_rows(), config, plan=fast_plan, paths=paths, resume=False)
     fast_history = json.loads((tmp_path / "fast" / "reports" / "log_history.json").read_text())
@@ -141,27 +141,27 @@ def test_the_plan_chooses_the_fast_path_and_says_why(monkeypatch):
     answer = ("efficient", "efficient: checked against sdpa, forward and backward")
     t4 = make_plan(machine("Tesla T4", (7, 5), 14.7, False), model_shape=shape, micro_batch=None, grad_accum=8)
     assert probed == [("efficient", "efficient_copied")]
-    assert t4.micro_batch > 1 and t4.gradient_checkpointing and t4.batching == "padding_free"
+    assert t4.batch.micro_batch > 1 and t4.memory.checkpointing and t4.batch.batching == "padding_free"
     assert "would need" in t4.reasons["gradient_checkpointing"] and "T4 (sm75) runs too" in t4.reasons["batching"]
-    assert t4.frozen_dtype == "float16" and t4.attn_implementation == attention.VARLEN_ATTENTION
+    assert t4.precision.frozen_dtype == "float16" and t4.kernels.attention == attention.VARLEN_ATTENTION
     monkeypatch.setattr(attention, "_PROBED", {})
     answer = ("", "efficient: disagrees with sdpa (output relative error 0.300)")
     t4 = make_plan(machine("Tesla T4", (7, 5), 14.7, False), model_shape=shape, micro_batch=None, grad_accum=8)
-    assert t4.batching == "grouped" and "disagrees with sdpa" in t4.reasons["batching"]
+    assert t4.batch.batching == "grouped" and "disagrees with sdpa" in t4.reasons["batching"]
     monkeypatch.undo()
     # A 141 GB card: 8 x 1,024 tokens fit without the recompute, so it goes.
     big = make_plan(machine("NVIDIA H200", (9, 0), 139.8, True), model_shape=shape, micro_batch=None, grad_accum=8)
-    assert big.micro_batch == 8 and not big.gradient_checkpointing and "fit without it" in \
+    assert big.batch.micro_batch == 8 and not big.memory.checkpointing and "fit without it" in \
         big.reasons["gradient_checkpointing"]
     # Asked for explicitly, checkpointing is kept whatever the memory.
     kept = make_plan(machine("NVIDIA H200", (9, 0), 139.8, True), model_shape=shape, micro_batch=None, grad_accum=8,
                      gradient_checkpointing=True)
-    assert kept.gradient_checkpointing and kept.reasons["gradient_checkpointing"] == "as given"
+    assert kept.memory.checkpointing and kept.reasons["gradient_checkpointing"] == "as given"
     # A CPU run is a check: the plain stack's padded batches (the padding-free path is tested explicitly above).
     cpu = make_plan(Hardware(gpus=[], arch_list=[], bf16_supported=False, torch="2.13.0", cuda=None,
                              disk_free_gib={"/work": 60.0}, ram_total_gib=30.0, ram_available_gib=28.0),
                     model_shape=shape, micro_batch=None, grad_accum=8, max_length=256)
-    assert cpu.device == "cpu" and cpu.micro_batch > 1 and cpu.batching == "padded"
+    assert cpu.layout.device == "cpu" and cpu.batch.micro_batch > 1 and cpu.batch.batching == "padded"
     # Each choice is a row of the printed plan.
     table = big.table()
     assert "batching" in table and "checkpointing" in table
@@ -275,7 +275,7 @@ def test_a_4bit_models_fp32_queries_run_the_16bit_kernel_under_mixed_precision(t
     from freetune.plan import Plan
     from freetune.speed import attention
 
-    plan = Plan(device="cpu", compute_dtype="bfloat16", mixed_precision="bf16",
+    plan = Plan.build(device="cpu", compute_dtype="bfloat16", mixed_precision="bf16",
                 attn_implementation=attention.VARLEN_ATTENTION, micro_batch=1, grad_accum=1,
                 gradient_checkpointing=False)
     model = freetune.model.load_base_model(str(tiny_model_dir), plan)
@@ -316,11 +316,11 @@ def test_the_config_keeps_the_host_from_waiting_for_the_gpu_each_micro_batch(tmp
     paths = run_paths(tmp_path, "cfg")
     kwargs = dict(max_steps=4, micro_batch=1, grad_accum=1, learning_rate=1e-4, max_length=64, optimizer="adamw_torch")
     # A GPU plan (fp32 so that TrainingArguments accepts it on this CPU-only machine).
-    gpu = make_config(paths, Plan(device="cuda", compute_dtype="float32", mixed_precision="no",
+    gpu = make_config(paths, Plan.build(device="cuda", compute_dtype="float32", mixed_precision="no",
                                   attn_implementation="sdpa"), **kwargs)
     assert gpu.accelerator_config.non_blocking is True and gpu.dataloader_pin_memory is True
     assert gpu.logging_nan_inf_filter is False
-    cpu = make_config(paths, Plan(device="cpu", compute_dtype="float32", mixed_precision="no",
+    cpu = make_config(paths, Plan.build(device="cpu", compute_dtype="float32", mixed_precision="no",
                                   attn_implementation="sdpa"), **kwargs)
     assert cpu.accelerator_config.non_blocking is False and cpu.dataloader_pin_memory is False
     assert cpu.logging_nan_inf_filter is False
@@ -336,7 +336,7 @@ def _padding_free_vs_alone(model_dir, device: str, backend: str):
 
     cuda = device == "cuda"
     dtype = {"flash": "bfloat16", "efficient": "float16", "efficient_copied": "float16"}.get(backend, "float32")
-    plan = Plan(device=device, compute_dtype=dtype, mixed_precision={"bfloat16": "bf16", "float16": "fp16"}.get(
+    plan = Plan.build(device=device, compute_dtype=dtype, mixed_precision={"bfloat16": "bf16", "float16": "fp16"}.get(
         dtype, "no"), attn_implementation=attention.VARLEN_ATTENTION, micro_batch=3, grad_accum=1,
         gradient_checkpointing=False, frozen_dtype=dtype if cuda else "float32")
     model = freetune.model.load_base_model(str(model_dir), plan)
@@ -352,7 +352,7 @@ def _padding_free_vs_alone(model_dir, device: str, backend: str):
     lora = [p for p in model.parameters() if p.requires_grad]
 
     def run(ids, **kwargs):
-        with torch.autocast(device, dtype=plan.torch_dtype, enabled=cuda):
+        with torch.autocast(device, dtype=plan.precision.torch_dtype, enabled=cuda):
             return model(input_ids=ids, use_cache=False, **kwargs).logits[0].float()
 
     bounds = torch.tensor([0, 7, 19, 23], dtype=torch.int32, device=device)

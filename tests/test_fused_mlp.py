@@ -169,18 +169,18 @@ def test_the_plan_takes_the_traced_mlp_where_every_layer_is_checkpointed_and_chu
 
     t4 = gpu("Tesla T4", (7, 5), 14.7)
     small = make_plan(t4, model_shape="tinyllama-1.1b", memory_budget_gib=4.0)
-    assert small.checkpointing_text().startswith("on") and small.mlp_kernel == "traced"
-    assert small.memory.settings["mlp_kernel"] == "traced" and "MLP kernel" in small.table()
+    assert small.memory.checkpointing_text().startswith("on") and small.kernels.mlp == "traced"
+    assert small.memory.estimate.settings["mlp_kernel"] == "traced" and "MLP kernel" in small.table()
     assert "2 instead of 7" in small.reasons["mlp_kernel"]
-    assert small.loss_tile_tokens == 1024 and small.memory.settings["loss_tile_tokens"] == 1024
+    assert small.kernels.loss_tile_tokens == 1024 and small.memory.estimate.settings["loss_tile_tokens"] == 1024
     long_rows = make_plan(t4, model_shape="qwen2.5-1.5b", max_length=32768, memory_budget_gib=4.0)
-    assert long_rows.mlp_kernel == "chunked" and long_rows.memory.settings["mlp_kernel"] == "chunked"
-    assert long_rows.max_length == 32768 and long_rows.memory.fits  # the rows are not cut
+    assert long_rows.kernels.mlp == "chunked" and long_rows.memory.estimate.settings["mlp_kernel"] == "chunked"
+    assert long_rows.batch.max_length == 32768 and long_rows.memory.estimate.fits  # the rows are not cut
     assert "rows need not be cut" in long_rows.reasons["mlp_kernel"]
     roomy = make_plan(t4, model_shape="qwen2.5-1.5b")
-    assert roomy.mlp_kernel == "layers" and roomy.loss_tile_tokens == 0  # room for some layers unchecked
+    assert roomy.kernels.mlp == "layers" and roomy.kernels.loss_tile_tokens == 0  # room for some layers unchecked
     cpu = make_plan(Hardware(ram_total_gib=16.0, ram_available_gib=12.0), model_shape="qwen3-8b", max_length=32768)
-    assert cpu.mlp_kernel == "layers"  # peft's layers on a CPU: nothing to fuse
+    assert cpu.kernels.mlp == "layers"  # peft's layers on a CPU: nothing to fuse
 
     shape = ModelShape.named("tinyllama-1.1b")
     common = dict(max_length=1024, micro_batch=8, lora_kernel="fused", compiled=True, compute_dtype="float16",

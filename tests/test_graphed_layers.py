@@ -106,16 +106,16 @@ def test_a_batch_with_more_rows_than_the_buffers_hold_is_refused_with_the_count(
 
 
 def test_where_the_graphs_do_not_apply_the_run_is_told_why(tiny_model_dir):
-    from types import SimpleNamespace
+    from freetune.plan import Plan
 
     model, _ = graphed_model(tiny_model_dir, torch.float32)
-    plan = SimpleNamespace(device="cuda", batching="padding_free", gradient_checkpointing=True, checkpoint_every=1)
+    plan = Plan.build(device="cuda", batching="padding_free", gradient_checkpointing=True, checkpoint_every=1)
     assert cuda_graphs.why_not(model, plan, world_size=1, cast_once=True) is None
     assert cuda_graphs.why_not(model, plan, world_size=2, cast_once=False) == (
         "more than one process; LoRA weights not cast once per forward (fused LoRA layers in one process)")
     dropout = quantized_lora_model(tiny_model_dir, torch.float32, dropout=0.05)
     assert "dropout 0.05" in cuda_graphs.why_not(dropout, plan, world_size=1, cast_once=True)
-    cpu = SimpleNamespace(device="cpu", batching="padded", gradient_checkpointing=True, checkpoint_every=2)
+    cpu = Plan.build(device="cpu", batching="padded", gradient_checkpointing=True, checkpoint_every=2)
     assert cuda_graphs.why_not(model, cpu, 1, True) == (
         "no GPU; batches that are not padding-free; not every decoder layer checkpointed")
 
@@ -142,24 +142,24 @@ def test_the_plan_replays_the_layers_as_graphs_where_every_layer_is_checkpointed
     monkeypatch.setattr(attention, "varlen_backend", lambda device: "efficient")
 
     plan = gpu_plan(4, memory_budget_gib=4, lora_dropout=0.0)
-    assert plan.gradient_checkpointing and plan.checkpoint_every == 1 and plan.batching == "padding_free"
-    assert plan.cuda_graph_tokens == sizing.graph_tokens(plan.micro_batch, plan.max_length) == 1024
-    assert plan.optimizer == "adamw_8bit" and plan.loss_tile_tokens == sizing.GRAPHS_LOSS_TILE_TOKENS
+    assert plan.memory.checkpointing and plan.memory.checkpoint_every == 1 and plan.batch.batching == "padding_free"
+    assert plan.kernels.cuda_graph_tokens == sizing.graph_tokens(plan.batch.micro_batch, plan.batch.max_length) == 1024
+    assert plan.memory.optimizer == "adamw_8bit" and plan.kernels.loss_tile_tokens == sizing.GRAPHS_LOSS_TILE_TOKENS
     assert dict((c, v) for c, v, _ in plan.rows())["CUDA graphs"] == "per layer, batches in multiples of 1024 tokens"
     shape = resolve_shape("TinyLlama/TinyLlama-1.1B-Chat-v1.0")
-    settings = {k: v for k, v in plan.memory.settings.items() if k != "model"}
+    settings = {k: v for k, v in plan.memory.estimate.settings.items() if k != "model"}
     assert settings["cuda_graphs"]
     with_graphs = memory.estimate(shape, **settings)
     without = memory.estimate(shape, **{**settings, "cuda_graphs": False})
-    buffers = 3 * plan.micro_batch * plan.max_length * shape.hidden * 2 / 2**30
+    buffers = 3 * plan.batch.micro_batch * plan.batch.max_length * shape.hidden * 2 / 2**30
     assert with_graphs.activations_gib - without.activations_gib == pytest.approx(buffers)
 
     dropout = gpu_plan(4, memory_budget_gib=4, lora_dropout=0.05)
-    assert dropout.cuda_graph_tokens == 0 and dropout.optimizer == "adamw_torch_fused"
+    assert dropout.kernels.cuda_graph_tokens == 0 and dropout.memory.optimizer == "adamw_torch_fused"
     assert "LoRA dropout 0" in dropout.reasons["cuda_graphs"]
     roomy = gpu_plan(80, lora_dropout=0.0, gradient_checkpointing="off")
-    assert roomy.cuda_graph_tokens == 0 and "every layer checkpointed" in roomy.reasons["cuda_graphs"]
-    assert gpu_plan(4, memory_budget_gib=4, optimizer="adamw_torch_fused").optimizer == "adamw_torch_fused"
+    assert roomy.kernels.cuda_graph_tokens == 0 and "every layer checkpointed" in roomy.reasons["cuda_graphs"]
+    assert gpu_plan(4, memory_budget_gib=4, optimizer="adamw_torch_fused").memory.optimizer == "adamw_torch_fused"
 
 
 def test_the_graphs_multiple_is_an_eighth_of_the_largest_batch_in_steps_of_64():

@@ -514,23 +514,23 @@ def gpu(name, capability, memory_gib, count=1):
 
 def test_the_plan_picks_the_fast_kernels_on_a_gpu_and_plain_ones_on_a_cpu():
     t4 = make_plan(gpu("Tesla T4", (7, 5), 14.7), model_shape="qwen2.5-1.5b")
-    assert (t4.lora_kernel, t4.compile, t4.optimizer) == ("fused", True, "adamw_torch_fused")
-    assert t4.memory.settings["lora_kernel"] == "fused"  # the memory check counts the fused layers' fp32 absmax
+    assert (t4.kernels.lora, t4.kernels.compile, t4.memory.optimizer) == ("fused", True, "adamw_torch_fused")
+    assert t4.memory.estimate.settings["lora_kernel"] == "fused"  # the memory check counts the fused layers' fp32 absmax
     assert "MiB more" in t4.reasons["optimizer"] and "LoRA kernel" in t4.table() and "compile" in t4.table()
 
     cpu = make_plan(Hardware(ram_total_gib=16.0, ram_available_gib=12.0), model_shape="qwen2.5-1.5b")
-    assert (cpu.lora_kernel, cpu.compile, cpu.optimizer) == ("peft", False, "adamw_torch")
+    assert (cpu.kernels.lora, cpu.kernels.compile, cpu.memory.optimizer) == ("peft", False, "adamw_torch")
 
     # A big adapter on a small card: fused AdamW's fp32 state is too large a share; the 8-bit one is kept.
     small = make_plan(gpu("GTX 1650", (7, 5), 3.8), model_shape="qwen2.5-1.5b", lora_rank=64)
-    assert small.optimizer == "paged_adamw_8bit" and "over 2%" in small.reasons["optimizer"]
+    assert small.memory.optimizer == "paged_adamw_8bit" and "over 2%" in small.reasons["optimizer"]
 
     off = make_plan(gpu("Tesla T4", (7, 5), 14.7), model_shape="qwen2.5-1.5b", compile="off",
                     optimizer="paged_adamw_8bit")
-    assert (off.compile, off.optimizer) == (False, "paged_adamw_8bit")
+    assert (off.kernels.compile, off.memory.optimizer) == (False, "paged_adamw_8bit")
     with pytest.raises(FreetuneError, match="compile"):
         make_plan(gpu("Tesla T4", (7, 5), 14.7), compile="yes")
 
     # FSDP flattens the 4-bit weights: peft's layers, eager.
     sharded = make_plan(gpu("NVIDIA A100", (8, 0), 79.0, count=2), model_shape="qwen2.5-1.5b", layout="fsdp")
-    assert (sharded.lora_kernel, sharded.compile) == ("peft", False)
+    assert (sharded.kernels.lora, sharded.kernels.compile) == ("peft", False)

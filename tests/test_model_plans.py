@@ -88,46 +88,46 @@ def test_the_shape_comes_from_each_models_own_config_json(folders):
 def test_a_t4_plans_llama_and_mistral_with_every_fast_path_feature(folders, t4_with_varlen):
     for name in ("Llama-3.2-1B-Instruct", "Mistral-7B-Instruct-v0.3"):
         plan = make_plan(T4, model_shape=folders[name], lora_dropout=0.05)
-        assert plan.memory.fits and plan.batching == "padding_free", name
-        assert plan.attn_implementation == "freetune_varlen" and plan.lora_kernel == "fused" and plan.compile
+        assert plan.memory.estimate.fits and plan.batch.batching == "padding_free", name
+        assert plan.kernels.attention == "freetune_varlen" and plan.kernels.lora == "fused" and plan.kernels.compile
         assert name in dict((c, v) for c, v, _ in plan.rows())["model"]
         assert plan.reasons["model"].endswith("config.json")
     mistral = make_plan(T4, model_shape=folders["Mistral-7B-Instruct-v0.3"], lora_dropout=0.0)
-    assert mistral.gradient_checkpointing and mistral.checkpoint_every == 1  # memory is tight: every layer
-    assert mistral.mlp_kernel == "traced" and mistral.cuda_graph_tokens > 0 and mistral.embeddings_on_host
+    assert mistral.memory.checkpointing and mistral.memory.checkpoint_every == 1  # memory is tight: every layer
+    assert mistral.kernels.mlp == "traced" and mistral.kernels.cuda_graph_tokens > 0 and mistral.memory.embeddings_on_host
 
 
 def test_gemma_3_gets_no_padding_free_rows_no_graphs_no_fused_mlp_and_the_plan_says_why(folders, t4_with_varlen):
     plan = make_plan(T4, model_shape=folders["gemma-3-1b-it"], lora_dropout=0.0, memory_budget_gib=3)
-    assert plan.batching == "grouped" and plan.attn_implementation == "sdpa"
+    assert plan.batch.batching == "grouped" and plan.kernels.attention == "sdpa"
     assert "sliding window (512 tokens) is shorter than max_length (1024)" in plan.reasons["batching"]
-    assert plan.cuda_graph_tokens == 0 and plan.mlp_kernel == "layers"
+    assert plan.kernels.cuda_graph_tokens == 0 and plan.kernels.mlp == "layers"
     assert "gemma3_text's MLP is not one it knows" in plan.reasons["mlp_kernel"]
-    assert not plan.memory.settings["cuda_graphs"] and plan.memory.settings["mlp_kernel"] == "layers"
+    assert not plan.memory.estimate.settings["cuda_graphs"] and plan.memory.estimate.settings["mlp_kernel"] == "layers"
     # Rows within the window: padding-free again (nothing slides in a row shorter than the window); the graphs still
     # step aside (sliding and full layers get different masks and rotary embeddings).
     short = make_plan(T4, model_shape=folders["gemma-3-1b-it"], lora_dropout=0.0, max_length=512,
                       memory_budget_gib=3)
-    assert short.batching == "padding_free" and short.cuda_graph_tokens == 0
+    assert short.batch.batching == "padding_free" and short.kernels.cuda_graph_tokens == 0
     assert "different masks or rotary embeddings by layer type" in short.reasons["cuda_graphs"]
 
 
 def test_gemma_2_attention_is_eager_for_its_soft_capped_logits(folders, t4_with_varlen):
     plan = make_plan(T4, model_shape=folders["gemma-2-2b-it"], lora_dropout=0.0)
-    assert plan.attn_implementation == "eager" and "sdpa would drop it" in plan.reasons["attention"]
-    assert plan.batching == "grouped" and "soft-caps its attention logits" in plan.reasons["batching"]
+    assert plan.kernels.attention == "eager" and "sdpa would drop it" in plan.reasons["attention"]
+    assert plan.batch.batching == "grouped" and "soft-caps its attention logits" in plan.reasons["batching"]
 
 
 def test_phi_3s_fused_projections_keep_peft_s_mlp_and_its_memory_is_not_counted_as_saved(folders, t4_with_varlen):
     tight = dict(lora_dropout=0.0, memory_budget_gib=5)
     plan = make_plan(T4, model_shape=folders["Phi-4-mini-instruct"], **tight)
-    assert plan.gradient_checkpointing and plan.checkpoint_every == 1
-    assert plan.mlp_kernel == "layers" and "phi3's MLP is not one it knows" in plan.reasons["mlp_kernel"]
+    assert plan.memory.checkpointing and plan.memory.checkpoint_every == 1
+    assert plan.kernels.mlp == "layers" and "phi3's MLP is not one it knows" in plan.reasons["mlp_kernel"]
     # The estimate is the per-projection MLP's: the fused one would have claimed less.
-    settings = {k: v for k, v in plan.memory.settings.items() if k != "model"}
+    settings = {k: v for k, v in plan.memory.estimate.settings.items() if k != "model"}
     shape = ModelShape.named(folders["Phi-4-mini-instruct"])
-    assert plan.memory.total_gib == pytest.approx(estimate(shape, **settings).total_gib)
-    assert estimate(shape, **{**settings, "mlp_kernel": "traced"}).total_gib < plan.memory.total_gib
+    assert plan.memory.estimate.total_gib == pytest.approx(estimate(shape, **settings).total_gib)
+    assert estimate(shape, **{**settings, "mlp_kernel": "traced"}).total_gib < plan.memory.estimate.total_gib
 
 
 def test_a_mixture_of_experts_that_cannot_fit_a_t4_is_refused_before_download_with_what_would(folders):
@@ -144,7 +144,7 @@ def test_lora_dropout_on_experts_is_refused_with_a_value_the_parameters_cell_tak
         make_plan(Hardware(), model_shape=folders["Qwen3-30B-A3B"], lora_dropout=0.05)
     assert "Set lora_dropout = 0.0" in str(refused.value)
     params.require(lora_dropout=0.0)  # the advice is a value the parameters cell accepts
-    assert make_plan(Hardware(), model_shape=folders["Qwen3-30B-A3B"], lora_dropout=0.0).device == "cpu"
+    assert make_plan(Hardware(), model_shape=folders["Qwen3-30B-A3B"], lora_dropout=0.0).layout.device == "cpu"
 
 
 def test_a_hub_id_plans_from_the_hubs_cached_config_json_and_says_why_when_it_cannot(folders, tmp_path, monkeypatch):
@@ -161,10 +161,10 @@ def test_a_hub_id_plans_from_the_hubs_cached_config_json_and_says_why_when_it_ca
     assert shape == ModelShape.named(folders["Llama-3.2-1B-Instruct"]).__class__.from_config(
         CONFIGS["Llama-3.2-1B-Instruct"], name="Llama-3.2-1B-Instruct")
     assert where == "the Hub's config.json of meta-llama/Llama-3.2-1B-Instruct"
-    assert make_plan(T4, model_shape="meta-llama/Llama-3.2-1B-Instruct").memory.fits
+    assert make_plan(T4, model_shape="meta-llama/Llama-3.2-1B-Instruct").memory.estimate.fits
 
     offline = make_plan(T4, model_shape="google/gemma-3-1b-it")  # not in the cache, and offline
-    assert offline.memory is None and offline.micro_batch == 1
+    assert offline.memory.estimate is None and offline.batch.micro_batch == 1
     assert dict((c, v) for c, v, _ in offline.rows())["model"] == "google/gemma-3-1b-it (shape unknown)"
     assert any("its config.json could not be read from the Hub" in w and "local folder" in w
                for w in offline.warnings)

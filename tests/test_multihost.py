@@ -207,11 +207,11 @@ def test_the_plan_shards_with_fsdp_when_one_copy_per_gpu_does_not_fit():
 
     t4x2 = Hardware(gpus=[GPU("Tesla T4", (7, 5), 14.7)] * 2, arch_list=["sm_75"])
     roomy = make_plan(t4x2, model_shape="qwen3-8b", max_length=1024)
-    assert roomy.layout == "ddp" and "DDP" in roomy.reasons["layout"]
+    assert roomy.layout.kind == "ddp" and "DDP" in roomy.reasons["layout"]
     tight = make_plan(t4x2, model_shape="qwen3-8b", max_length=1024, memory_budget_gib=7)
-    assert tight.layout == "fsdp" and tight.world_size == 2
+    assert tight.layout.kind == "fsdp" and tight.layout.world_size == 2
     assert "FSDP, because one full copy per GPU (DDP) needs" in tight.reasons["layout"]
-    assert tight.memory.settings["shards"] == 2 and tight.memory.fits, tight.memory.breakdown()
+    assert tight.memory.estimate.settings["shards"] == 2 and tight.memory.estimate.fits, tight.memory.estimate.breakdown()
     assert "fsdp x 2" in tight.table()
     one_t4 = Hardware(gpus=[GPU("Tesla T4", (7, 5), 14.7)], arch_list=["sm_75"])
     # Nothing to shard over, and even one short row does not fit 6 GiB: refused before anything is downloaded.
@@ -219,7 +219,7 @@ def test_the_plan_shards_with_fsdp_when_one_copy_per_gpu_does_not_fit():
         make_plan(one_t4, model_shape="qwen3-8b", memory_budget_gib=6)
     # One process may keep the 1.16 GiB embedding table in host RAM (DDP's ranks may not): 7 GiB then fits one GPU.
     seven = make_plan(one_t4, model_shape="qwen3-8b", memory_budget_gib=7)
-    assert seven.layout == "single" and seven.embeddings_on_host and seven.memory.fits and not seven.warnings
+    assert seven.layout.kind == "single" and seven.memory.embeddings_on_host and seven.memory.estimate.fits and not seven.warnings
     # DDP forced where only FSDP fits (each rank keeps the whole embedding table on its GPU): refused up front.
     with pytest.raises(FreetuneError, match=r"cannot train on this GPU.*set by memory_budget_gib"):
         make_plan(t4x2, model_shape="qwen3-8b", layout="ddp", memory_budget_gib=7)
@@ -237,7 +237,7 @@ def test_the_trainer_gets_fsdp1_settings_and_a_cpu_run_is_refused(tmp_path):
     paths = Paths(platform="local", run_dir=str(run), checkpoints=str(run / "c"), adapter=str(run / "a"),
                   data=str(run / "d"), reports=str(run / "r"))
     # A GPU plan (fp32 so that TrainingArguments accepts it on this CPU-only machine).
-    plan = Plan(device="cuda", compute_dtype="float32", mixed_precision="no", attn_implementation="sdpa",
+    plan = Plan.build(device="cuda", compute_dtype="float32", mixed_precision="no", attn_implementation="sdpa",
                 layout="fsdp", world_size=2)
     config = make_config(paths, plan, max_steps=4, micro_batch=1, grad_accum=1, learning_rate=1e-4, max_length=64,
                          optimizer="adamw_torch")
@@ -246,7 +246,7 @@ def test_the_trainer_gets_fsdp1_settings_and_a_cpu_run_is_refused(tmp_path):
     assert args["auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP" and args["use_orig_params"] is False
     assert args["sync_module_states"] is True and args["state_dict_type"] == "FULL_STATE_DICT"
     assert args["reshard_after_forward"] == "full_shard"
-    cpu = Plan(device="cpu", compute_dtype="float32", mixed_precision="no", attn_implementation="sdpa", layout="fsdp")
+    cpu = Plan.build(device="cpu", compute_dtype="float32", mixed_precision="no", attn_implementation="sdpa", layout="fsdp")
     with pytest.raises(FreetuneError, match="needs GPUs"):
         make_config(paths, cpu, max_steps=4, micro_batch=1, grad_accum=1, learning_rate=1e-4, max_length=64)
 

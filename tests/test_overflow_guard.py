@@ -39,7 +39,7 @@ def run(tmp_path, model_dir, *, poison_at: int, logging_steps: int, save_steps: 
 
     run_dir = str(tmp_path / "run")
     paths = Paths.under(run_dir).make()
-    plan = Plan(device="cpu", compute_dtype="float32", mixed_precision="no", attn_implementation="sdpa")
+    plan = Plan.build(device="cpu", compute_dtype="float32", mixed_precision="no", attn_implementation="sdpa")
     transformers.set_seed(0)
     model = freetune.model.load_base_model(str(model_dir), plan)
     model, _, _ = freetune.model.attach_lora(model, rank=8, alpha=16, dropout=0.0)

@@ -55,8 +55,8 @@ def test_the_job_file_gives_the_ranks_the_notebook_s_run_sized_for_their_job(tmp
     assert loaded.parameters == run.parameters and loaded.paths == run.paths
     assert (loaded.recipe, loaded.target) == ("svg_coder", "kaggle")
     # The ranks get the notebook's plan re-decided for the job's size (for_world), and nothing else changed.
-    assert dataclasses.replace(loaded.plan, memory=plan.memory) == for_world(plan, 2)
-    assert loaded.plan.sampler != plan.sampler  # on 2 ranks the rows are dealt by length (rank_balanced)
+    assert loaded.plan.replace(memory=plan.memory.estimate) == for_world(plan, 2)
+    assert loaded.plan.layout.sampler != plan.layout.sampler  # on 2 ranks the rows are dealt by length (rank_balanced)
 
 
 def test_train_reads_the_plan_from_its_config_and_refuses_another(tmp_path):
@@ -66,7 +66,7 @@ def test_train_reads_the_plan_from_its_config_and_refuses_another(tmp_path):
     plan = make_plan(Hardware(ram_total_gib=16.0, ram_available_gib=12.0), micro_batch=2, grad_accum=1)
     config = make_config(paths, plan, max_steps=2, learning_rate=1e-4)
     assert config.freetune_plan is plan
-    other = dataclasses.replace(plan, micro_batch=4)
+    other = plan.replace(micro_batch=4)
     with pytest.raises(FreetuneError, match="a plan other than the one its config was made from"):
         train(None, None, [], config, paths=paths, plan=other)
 

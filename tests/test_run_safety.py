@@ -200,7 +200,7 @@ def test_the_disk_check_names_what_the_run_writes_and_what_to_change(tmp_path):
     from freetune.plan import Plan
 
     paths = Paths.under(tmp_path / "run").make()
-    plan = Plan(device="cpu", compute_dtype="float32", mixed_precision="no", attn_implementation="sdpa",
+    plan = Plan.build(device="cpu", compute_dtype="float32", mixed_precision="no", attn_implementation="sdpa",
                 optimizer="adamw_torch")
     huge = tmp_path / "huge-model"  # a config.json is all the check reads: ~1.3 trillion parameters
     huge.mkdir()

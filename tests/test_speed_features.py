@@ -28,7 +28,7 @@ def test_training_installs_the_chosen_features_in_order_says_why_one_steps_aside
     import freetune
     from freetune.plan import Plan
 
-    plan = Plan(device="cpu", compute_dtype="float32", mixed_precision="no", attn_implementation="sdpa",
+    plan = Plan.build(device="cpu", compute_dtype="float32", mixed_precision="no", attn_implementation="sdpa",
                 micro_batch=2, grad_accum=1, gradient_checkpointing=False, batching="padding_free",
                 lora_kernel="fused", mlp_kernel="chunked", cuda_graph_tokens=64, optimizer="adamw_torch")
     model = quantized_lora_model(tiny_model_dir, torch.float32)

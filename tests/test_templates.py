@@ -75,7 +75,7 @@ def test_every_assistant_turn_carries_labels_and_nothing_else_does(name, tiny_mo
     end = tokenizer.eos_token if name == "auto" else templates.TEMPLATES[name].end_token(tokenizer)
     rows = multiturn_rows()
     paths = run_paths(tmp_path, "run")
-    plan = Plan(device="cpu", compute_dtype="float32", mixed_precision="no", attn_implementation="sdpa")
+    plan = Plan.build(device="cpu", compute_dtype="float32", mixed_precision="no", attn_implementation="sdpa")
     config = make_config(paths, plan, max_steps=1, micro_batch=2, grad_accum=1, learning_rate=1e-4, max_length=256,
                          optimizer="adamw_torch", assistant_only="messages" in rows.column_names)
     net = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)

@@ -52,12 +52,12 @@ def runs(tiny_model_dir, tmp_path_factory):
             eval_steps=EVAL_STEPS, report_to=report_to)
         return paths, model, config
 
-    _, model, config = model_and_config(Plan(**common, batching="padded"), "plain", "none")
+    _, model, config = model_and_config(Plan.build(**common, batching="padded"), "plain", "none")
     peft_bnb_reach.keep_training_layout(model)  # as train() does: else an AVX-512 CPU cannot train after an evaluation
     plain = SFTTrainer(model=model, args=config, train_dataset=rows(16), eval_dataset=rows(8, offset=100),
                        processing_class=tokenizer, callbacks=[adapter_dtype_guard()])
     plain.train()
-    fast = Plan(**common, batching="padding_free")
+    fast = Plan.build(**common, batching="padding_free")
     paths, model, config = model_and_config(fast, "fast", "tensorboard")
     printed = io.StringIO()
     with redirect_stdout(printed):
@@ -121,7 +121,7 @@ from test_fast_path import run_paths
 from test_tracking import rows
 
 paths = run_paths(Path(sys.argv[3]), "trackio-run")
-plan = Plan(device="cpu", compute_dtype="float32", mixed_precision="no", attn_implementation="sdpa", micro_batch=4,
+plan = Plan.build(device="cpu", compute_dtype="float32", mixed_precision="no", attn_implementation="sdpa", micro_batch=4,
             grad_accum=1, gradient_checkpointing=False)
 model = freetune.model.load_base_model(sys.argv[1], plan, gradient_checkpointing=False)
 model, _, _ = freetune.model.attach_lora(model, rank=8, alpha=16, dropout=0.0, seed=0)

@@ -63,7 +63,7 @@ def check_disk(paths, params: dict, plan) -> None:
     if shape is None:
         print0("Disk: the model's size is not known before it loads; free space is not checked ahead.")
         return
-    parts = needed_bytes(params, shape, plan.optimizer)
+    parts = needed_bytes(params, shape, plan.memory.optimizer)
     reusable = sum(folder_bytes(p) for p in complete_checkpoints(paths.checkpoints))
     needed = sum(parts.values()) - reusable
     try:

@@ -48,7 +48,7 @@ def load_for_comparison(base_model: str | Path, adapter_dir: str | Path, plan=No
         from freetune.model import nf4_config
         from freetune.plan import make_plan
 
-        dtype = (plan or make_plan()).torch_dtype
+        dtype = (plan or make_plan()).precision.torch_dtype
         kwargs = dict(dtype=dtype, device_map={"": torch.cuda.current_device()}, quantization_config=nf4_config(dtype))
     else:  # bf16 matmuls are slow on most CPUs, and 4-bit brings nothing where memory is plentiful
         kwargs = dict(dtype=torch.float32)

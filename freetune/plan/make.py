@@ -364,7 +364,7 @@ def _build(draft: _Draft, sizing: _Sizing, asked: dict) -> Plan:
              "cuda_graphs": cuda_graphs, "batch": draft.batch, "memory": draft.memory, "batching": draft.batching,
              "sampler": draft.sampler}
     reasons.update({key: decision.why for key, decision in named.items() if decision is not None})
-    return Plan(
+    return Plan.build(
         device=draft.device, compute_dtype=choose_load_dtype(policy).value,
         mixed_precision=choose_mixed_precision(policy).value, attn_implementation=draft.attention.value,
         reasons=reasons, layout=draft.layout.value, world_size=draft.world_size, micro_batch=draft.batch.value,
@@ -411,11 +411,11 @@ def for_world(plan: Plan, processes: int, hosts: int = 1) -> Plan:
     sampler follows the processes (a CPU job under torchrun has several ranks too). Returns a copy."""
     reasons = dict(plan.reasons)
     changed = {}
-    if hosts > 1 and processes > plan.world_size:
+    if hosts > 1 and processes > plan.layout.world_size:
         reasons["layout"] = (f"{hosts} hosts x {processes // hosts} process(es) = {processes} ranks through "
                              f"torchrun's c10d rendezvous; " + plan.reasons.get("layout", ""))
         changed["world_size"] = processes
-    sampler = choose_sampler(plan.batching, processes)
+    sampler = choose_sampler(plan.batch.batching, processes)
     reasons["sampler"] = sampler.why
-    return replace(plan, reasons=reasons, sampler=sampler.value, **changed)
+    return plan.replace(reasons=reasons, sampler=sampler.value, **changed)
 

@@ -300,14 +300,14 @@ def _probe_applies(plan, trainer) -> tuple[bool, str]:
     import torch
 
     # A CPU run has no kernel to probe; padded batches run transformers' own attention.
-    return torch.cuda.is_available() and plan.batching == "padding_free", ""
+    return torch.cuda.is_available() and plan.batch.batching == "padding_free", ""
 
 
 def _probe_now(trainer, plan) -> None:
     """Probed now, eagerly, in this process (a torchrun rank too): the attention layers only read the result."""
     import torch
 
-    varlen_works(torch.cuda.current_device(), plan.policy)
+    varlen_works(torch.cuda.current_device(), plan.precision.policy)
 
 
 FEATURE = Feature("Attention", _probe_applies, _probe_now)

@@ -28,7 +28,7 @@ def uncompile_layers(model) -> int:
 
 
 def _applies(plan, trainer) -> tuple[bool, str]:
-    return plan.compile, ""
+    return plan.kernels.compile, ""
 
 
 def _install(trainer, plan):

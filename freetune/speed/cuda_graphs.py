@@ -33,10 +33,10 @@ def why_not(model, plan, world_size: int, cast_once: bool) -> str | None:
         (bool(architecture), architecture),
         (bool(unfused), f"trainable weights outside the fused LoRA layers ({', '.join(unfused[:3])}), which the "
                         f"graphs would not give gradients to"),
-        (plan.device != "cuda", "no GPU"),
+        (plan.layout.device != "cuda", "no GPU"),
         (world_size != 1, "more than one process"),
-        (plan.batching != "padding_free", "batches that are not padding-free"),
-        (not decoder_layers(model) or not plan.gradient_checkpointing or plan.checkpoint_every != 1,
+        (plan.batch.batching != "padding_free", "batches that are not padding-free"),
+        (not decoder_layers(model) or not plan.memory.checkpointing or plan.memory.checkpoint_every != 1,
          "not every decoder layer checkpointed"),
         (not cast_once, "LoRA weights not cast once per forward (fused LoRA layers in one process)"),
         (bool(dropouts), f"dropout {max(dropouts, default=0):g} (a replayed recompute would draw other numbers)"),
@@ -57,12 +57,12 @@ def unfused_trainable(model) -> list[str]:
 
 
 def pad_batches(trainer, plan) -> None:
-    """Pad the trainer's padding-free batches to a multiple of plan.cuda_graph_tokens tokens, in rows of at most
+    """Pad the trainer's padding-free batches to a multiple of plan.kernels.cuda_graph_tokens tokens, in rows of at most
     max_length (batching.AlignedPaddingFree): a few token counts, each recorded once."""
     collator = trainer.data_collator
     if not isinstance(collator, AlignedPaddingFree):
         raise TypeError(f"CUDA graphs need freetune's padding-free collator, not {type(collator).__name__}")
-    collator.multiple, collator.max_row = plan.cuda_graph_tokens, plan.max_length
+    collator.multiple, collator.max_row = plan.kernels.cuda_graph_tokens, plan.batch.max_length
 
 
 def callback(plan):
@@ -76,10 +76,10 @@ def callback(plan):
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             import torch
 
-            multiple = plan.cuda_graph_tokens
-            max_tokens = -(-plan.micro_batch * plan.max_length // multiple) * multiple
-            self.graphed = GraphedLayers(model, max_tokens=max_tokens, max_row=plan.max_length,
-                                         max_rows=most_rows(plan.micro_batch, multiple, plan.max_length),
+            multiple = plan.kernels.cuda_graph_tokens
+            max_tokens = -(-plan.batch.micro_batch * plan.batch.max_length // multiple) * multiple
+            self.graphed = GraphedLayers(model, max_tokens=max_tokens, max_row=plan.batch.max_length,
+                                         max_rows=most_rows(plan.batch.micro_batch, multiple, plan.batch.max_length),
                                          fixed_pairs=True)
             self.stream = torch.cuda.Stream()
             self.stream.wait_stream(torch.cuda.current_stream())  # after the model's loading
@@ -112,7 +112,7 @@ def callback(plan):
 
 
 def _applies(plan, trainer) -> tuple[bool, str]:
-    if not plan.cuda_graph_tokens:
+    if not plan.kernels.cuda_graph_tokens:
         return False, ""
     reason = why_not(trainer.model, plan, trainer.args.world_size, cast_once=lora_kernel.casts_once(trainer.model))
     return not reason, reason or ""

@@ -137,7 +137,7 @@ def _shares_head(model, weight) -> bool:
 
 
 def _applies(plan, trainer) -> tuple[bool, str]:
-    return plan.embeddings_on_host, ""  # the table itself may still refuse at train begin (why_not), and says so
+    return plan.memory.embeddings_on_host, ""  # the table itself may still refuse at train begin (why_not), and says so
 
 
 def _install(trainer, plan):

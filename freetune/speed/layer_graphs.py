@@ -13,7 +13,7 @@ call. torch.compile's own CUDA graphs (mode="reduce-overhead") do not survive a 
   takes the gradients of its input and of its 16-bit LoRA weights (the copies that
   freetune.speed.lora_kernel.cast_adapters_once_per_forward makes once per forward; their gradients go back to the fp32
   weights as before).
-- Fixed shapes: the padding-free batch is padded to a multiple of plan.cuda_graph_tokens tokens
+- Fixed shapes: the padding-free batch is padded to a multiple of plan.kernels.cuda_graph_tokens tokens
   (batching.AlignedPaddingFree with rows of at most max_length tokens, which train nothing); the row boundaries
   (cu_seq_lens) are padded with empty rows to a fixed count and the longest row given as max_length, so one graph
   per token count serves every batch of that count.

@@ -353,7 +353,7 @@ def casts_once(model) -> bool:
 
 
 def _applies(plan, trainer) -> tuple[bool, str]:
-    return plan.lora_kernel == "fused", ""
+    return plan.kernels.lora == "fused", ""
 
 
 def _install(trainer, plan):
@@ -361,9 +361,9 @@ def _install(trainer, plan):
     reach its parameter as the backward goes, for the all-reduce to overlap it: cast_adapters_once_per_forward)."""
     model = trainer.model
     # How the double-quantised absmax values are kept: decided once by the plan (freetune.plan.memory).
-    fused, seen = use_fused_lora(model, keep_8bit_absmax=plan.keep_8bit_absmax)
+    fused, seen = use_fused_lora(model, keep_8bit_absmax=plan.memory.keep_8bit_absmax)
     once = trainer.args.world_size == 1 and cast_adapters_once_per_forward(
-        model, same_buffers=bool(plan.cuda_graph_tokens))  # graphs read them at fixed addresses
+        model, same_buffers=bool(plan.kernels.cuda_graph_tokens))  # graphs read them at fixed addresses
     print0(f"LoRA kernel: fused on {fused} of {seen} LoRA layers (freetune.speed.lora_kernel)"
            + ("; their weights cast to 16 bits once per forward, all together." if once else "."))
     if not once:

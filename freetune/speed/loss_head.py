@@ -9,7 +9,7 @@ from freetune.speed.feature import Feature, always
 
 
 def _install(trainer, plan) -> None:
-    trl_reach.set_loss_tile_tokens(plan.loss_tile_tokens)  # 0: TRL's own tiles
+    trl_reach.set_loss_tile_tokens(plan.kernels.loss_tile_tokens)  # 0: TRL's own tiles
     trl_reach.keep_cuda_cache_between_steps(trainer)
 
 

@@ -249,12 +249,12 @@ def use_fused_mlp(model, chunk: int = CHUNK_TOKENS, kernel: str = "chunked") -> 
 
 
 def _applies(plan, trainer) -> tuple[bool, str]:
-    return plan.mlp_kernel in ("chunked", "traced"), ""
+    return plan.kernels.mlp in ("chunked", "traced"), ""
 
 
 def _install(trainer, plan) -> None:
-    fused, seen = use_fused_mlp(trainer.model, kernel=plan.mlp_kernel)
-    how = (f"in chunks of {CHUNK_TOKENS} tokens" if plan.mlp_kernel == "chunked"
+    fused, seen = use_fused_mlp(trainer.model, kernel=plan.kernels.mlp)
+    how = (f"in chunks of {CHUNK_TOKENS} tokens" if plan.kernels.mlp == "chunked"
            else "as one node each, gate and up recomputed in the backward")
     print0(f"MLP kernel: {fused} of {seen} MLPs {how} (freetune.speed.mlp).")
 

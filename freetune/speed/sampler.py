@@ -57,7 +57,7 @@ def rank_balanced_sampler(dataset, args, group_by_length: bool = False):
 
 def _applies(plan, trainer) -> tuple[bool, str]:
     # One process has no ranks to balance: the plan takes this sampler under torchrun only.
-    return plan.sampler == "rank_balanced" and trainer.args.world_size > 1, ""
+    return plan.layout.sampler == "rank_balanced" and trainer.args.world_size > 1, ""
 
 
 def _install(trainer, plan) -> None:
