@@ -11,7 +11,8 @@ Modules, in the order a recipe uses them:
   templates    named chat templates for base models (chatml, llama3, zephyr) and their Ollama twins
   audit        find junk rows before training, and clean them
   model        the 4-bit base model and its LoRA adapter
-  train        the SFTConfig from the plan, the run with progress, memory and a summary (run_summary.json)
+  sft_config   the SFTConfig from the plan and the recipe's parameters
+  train        the run with progress, memory and a summary (run_summary.json)
   trainer      FreetuneTrainer: every override of the Trainer's and SFTTrainer's methods, in one class
   reach        every other reach into library internals, one module per library, each tagged with its release
   speed        the speed features, one module each (attention, the fused LoRA layer, MLP, CUDA graphs, host
@@ -52,7 +53,7 @@ logging.getLogger("transformers.trainer_utils").addFilter(
 
 _SUBMODULES = {"params", "platform", "plan", "data", "audit", "model", "train", "trainer",
                "distributed", "launch", "checkpoint", "evaluate", "tasks", "export", "secrets", "fixtures",
-               "templates", "tracking", "chat", "resources", "run_config"}
+               "templates", "tracking", "chat", "resources", "run_config", "sft_config"}
 
 
 # A notebook shows freetune's lines and its errors' messages, not the libraries' bars and chained tracebacks.

@@ -251,7 +251,7 @@ def _load_fsdp_rank0_only(model_id: str, kwargs: dict):
       (buffers such as the rotary frequencies computed as usual), the 4-bit layers rebuilt as bitsandbytes
       Linear4bit from the broadcast state, then every parameter given uninitialised host memory (never written
       on these ranks, so the OS commits no pages for it);
-    - FSDP (sync_module_states=True, train.fsdp_settings) moves each wrapped layer to the GPU and broadcasts rank
+    - FSDP (sync_module_states=True, sft_config.fsdp_settings) moves each wrapped layer to the GPU and broadcasts rank
       0's values into it, so all ranks start from rank 0's weights.
     Tied weights (lm_head = embed_tokens) are tied as from_pretrained ties them. tests/test_multihost.py runs it
     on 2 CPU processes: the ranks without the weights grow by a fraction of rank 0's memory and train to the

@@ -97,9 +97,9 @@ class RunConfig:
         return dataclasses.replace(self, plan=replan(self.plan, **changes))
 
     def sft_config(self, **settings):
-        """The Trainer's settings for this run (freetune.train.make_config: the plan's batch and precision, the
+        """The Trainer's settings for this run (freetune.sft_config.make_config: the plan's batch and precision, the
         parameters' steps, learning rate, logging and checkpoints); keywords as make_config's."""
-        from freetune.train import make_config
+        from freetune.sft_config import make_config
 
         return make_config(self.paths, self.plan, self.parameters, **settings)
 

@@ -55,7 +55,7 @@ def check_options(*, report_to: str = "none", eval_steps: int = 0, eval_rows: in
 
 
 def sft_fields(paths, *, report_to: str, eval_steps: int, micro_batch: int) -> dict:
-    """The SFTConfig fields for evaluation and logging (freetune.train.make_config adds them)."""
+    """The SFTConfig fields for evaluation and logging (freetune.sft_config.make_config adds them)."""
     check_options(report_to=report_to, eval_steps=eval_steps, eval_rows=1 if eval_steps else 0)
     fields = dict(eval_strategy="steps" if eval_steps else "no", eval_steps=eval_steps or None,
                   per_device_eval_batch_size=micro_batch, prediction_loss_only=True,

@@ -19,7 +19,7 @@ Unsloth at its own best settings for throughput, as its notebooks set them:
 - its fused cross-entropy and its per-layer compile (one torch.compile region per decoder layer), both on by
   default; the compile skips padding-free batches (their row lengths are read on the host), so it runs only in
   the optional `unsloth_padded` run (padded batches, no checkpointing), the other candidate for its fastest.
-Learning rate, schedule, seed and data order are freetune.train.make_config's (same rows, same order; the per-step
+Learning rate, schedule, seed and data order are freetune.sft_config.make_config's (same rows, same order; the per-step
 losses are logged so the table can compare them).
 
 The emulated budgets (bench.py's t4 and 4gb modes) hold the peer to what the emulated card can run:

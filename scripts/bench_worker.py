@@ -49,7 +49,7 @@ def run_one(job: dict) -> dict:
             most_tokens[0] = max(most_tokens[0], ids.numel())
 
     model.register_forward_pre_hook(count_tokens, with_kwargs=True)
-    config = freetune.train.make_config(
+    config = freetune.sft_config.make_config(
         paths, plan, max_steps=total_steps + (1 if job.get("profile") else 0),  # the plan's batch and optimizer
         learning_rate=1e-4, max_length=job["max_length"], logging_steps=job.get("logging_steps", 1),
         save_steps=100_000, seed=0)
@@ -140,7 +140,7 @@ def train_run(job: dict, model, tokenizer, dataset, config, plan, paths, callbac
 
     cuda = torch.cuda.is_available()
     if not job["run"].startswith("freetune"):
-        # The plain stack as it comes: the Trainer's defaults that freetune.train.make_config changes to cut host
+        # The plain stack as it comes: the Trainer's defaults that freetune.sft_config.make_config changes to cut host
         # syncs (a blocking copy of each batch to the GPU, the NaN check of every micro-batch's loss).
         config.logging_nan_inf_filter = True
         config.dataloader_pin_memory = True

@@ -125,7 +125,7 @@ def worker(args) -> int:
                                                              dropout=0.0, target_modules=LORA_TARGETS, seed=0)
         record.update(trainable=trainable, total_params=total)
         stage = "train"
-        config = freetune.train.make_config(
+        config = freetune.sft_config.make_config(
             paths, plan, max_steps=args.steps, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
             learning_rate=1e-4, max_length=args.max_length, optimizer="adamw_torch", logging_steps=1,
             save_steps=args.steps, save_total_limit=2, gradient_checkpointing=True, seed=0)

@@ -21,7 +21,7 @@ Checks, each in its own process (a memory cap or a peak statistic never leaks in
              measured peak against freetune.plan.memory.estimate.
 
 The model is loaded and trained by freetune's own code (freetune.model.load_base_model, attach_lora and
-freetune.train.make_config, which set BitsAndBytesConfig's compute dtype and the non-quantised weights from the
+freetune.sft_config.make_config, which set BitsAndBytesConfig's compute dtype and the non-quantised weights from the
 plan, run peft's prepare_model_for_kbit_training, keep LoRA in fp32 and give TRL's SFTConfig fp16/bf16), with
 TRL's SFTTrainer on pre-tokenised synthetic rows. It prints a table and writes JSON to --out; exit status 1
 when a check fails.
@@ -119,7 +119,7 @@ def train_steps(model_dir: str, plan, tokenizer, dataset, *, steps: int, lora_ra
     from trl import SFTTrainer
 
     from freetune import model as ft_model
-    from freetune import train as ft_train
+    from freetune.sft_config import make_config
     from freetune.platform import Paths
 
     result: dict = {"error": None}
@@ -129,7 +129,7 @@ def train_steps(model_dir: str, plan, tokenizer, dataset, *, steps: int, lora_ra
         result["trainable_params"] = trainable
         result["dtypes"] = dtypes_of(model)
         paths = Paths.under(work).make()
-        config = ft_train.make_config(
+        config = make_config(
             paths, plan, max_steps=steps, micro_batch=micro_batch, grad_accum=grad_accum,
             learning_rate=learning_rate, max_length=max_length, optimizer=optimizer, max_grad_norm=max_grad_norm,
             logging_steps=1, save_steps=10**6, gradient_checkpointing=True, seed=0)

@@ -4,7 +4,7 @@
     python tests/fsdp_driver.py MODEL plain OUT_DIR   # one process, both ranks' rows in one batch, the usual path
 
 accelerate's FSDP plugin (what the Trainer uses) refuses a machine without an accelerator, so this wraps the model
-with torch's FSDP directly, with the settings freetune.train.fsdp_settings gives the Trainer: FULL_SHARD, FSDP1,
+with torch's FSDP directly, with the settings freetune.sft_config.fsdp_settings gives the Trainer: FULL_SHARD, FSDP1,
 use_orig_params=False, and the wrap policy the Trainer installs for a peft model (peft's fsdp_auto_wrap_policy:
 each decoder layer, and each LoRA layer on its own). The model comes from freetune.model.load_base_model with
 layout "fsdp" (4-bit weights stored in the compute dtype, no fp32 upcast) and attach_lora, as in a recipe.
@@ -65,7 +65,7 @@ def main() -> None:
         from torch.distributed.fsdp import ShardingStrategy
 
         # Rank 0 alone read the weights (freetune.model._load_fsdp_rank0_only). On GPUs FSDP's sync_module_states
-        # (train.fsdp_settings) broadcasts them into the other ranks' unread parameters; FSDP refuses that option for
+        # (sft_config.fsdp_settings) broadcasts them into the other ranks' unread parameters; FSDP refuses that option for
         # CPU modules, so here the same broadcast is done before wrapping: every parameter and buffer from rank 0.
         for tensor in [*model.parameters(), *model.buffers()]:
             torch.distributed.broadcast(tensor.data, src=0)

@@ -165,7 +165,7 @@ def main() -> None:
     transformers.set_seed(0)
     model = freetune.model.load_base_model(job["model_dir"], plan, local_rank=ctx.local_rank)
     model, _, _ = freetune.model.attach_lora(model, rank=8, alpha=16, dropout=0.0)
-    config = freetune.train.make_config(
+    config = freetune.sft_config.make_config(
         paths, plan, max_steps=job["max_steps"], micro_batch=2, grad_accum=1, learning_rate=5e-3, max_length=64,
         optimizer="adamw_torch", logging_steps=1, save_steps=job["save_steps"], save_total_limit=2,
         gradient_checkpointing=True, seed=0)

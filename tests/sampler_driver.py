@@ -2,7 +2,7 @@
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/sampler_driver.py MODEL OUT_DIR
 
-The plan (make_plan on this machine, under torchrun), its config (freetune.train.make_config) and the trainer
+The plan (make_plan on this machine, under torchrun), its config (freetune.sft_config.make_config) and the trainer
 freetune.train.train uses (freetune.trainer.FreetuneTrainer) build the training DataLoader; each rank walks one epoch of it and writes
 OUT_DIR/rank<R>.json: the plan's sampler and, per micro-batch, the row ids it got and their real token counts.
 Row i of the data set starts with token 10 + i, so the ids are read back from the batches themselves.
@@ -41,7 +41,7 @@ def main() -> None:
     model = freetune.model.load_base_model(model_dir, plan, local_rank=ctx.local_rank)
     model, _, _ = freetune.model.attach_lora(model, rank=4, alpha=8, dropout=0.0, seed=0)
     dataset = Dataset.from_dict({"input_ids": [[10 + i] + [5] * (n - 1) for i, n in enumerate(row_lengths())]})
-    config = freetune.train.make_config(paths, plan, max_steps=-1, micro_batch=MICRO_BATCH, grad_accum=GRAD_ACCUM,
+    config = freetune.sft_config.make_config(paths, plan, max_steps=-1, micro_batch=MICRO_BATCH, grad_accum=GRAD_ACCUM,
                                         learning_rate=1e-4, max_length=64, optimizer="adamw_torch", seed=0)
     trainer = FreetuneTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer, plan=plan)
     batches = []

@@ -53,7 +53,7 @@ def test_padding_free_path_matches_the_plain_loss_and_computes_no_padding(tiny_m
         paths = run_paths(tmp_path, name)
         model = freetune.model.load_base_model(str(tiny_model_dir), plan, gradient_checkpointing=False)
         model, _, _ = freetune.model.attach_lora(model, rank=8, alpha=16, dropout=0.0, seed=0)
-        config = freetune.train.make_config(
+        config = freetune.sft_config.make_config(
             paths, plan, max_steps=steps, micro_batch=micro, grad_accum=accum, learning_rate=5e-3, max_length=64,
             optimizer="adamw_torch", logging_steps=1, save_steps=100, save_total_limit=2, seed=0)
         return paths, model, config
@@ -311,7 +311,7 @@ def test_the_config_keeps_the_host_from_waiting_for_the_gpu_each_micro_batch(tmp
     """On a GPU the batch is copied from pinned memory without a wait, and no micro-batch's loss is read on the host
     (the Trainer's NaN filter); on a CPU there is nothing to pin or wait for."""
     from freetune.plan import Plan
-    from freetune.train import make_config
+    from freetune.sft_config import make_config
 
     paths = run_paths(tmp_path, "cfg")
     kwargs = dict(max_steps=4, micro_batch=1, grad_accum=1, learning_rate=1e-4, max_length=64, optimizer="adamw_torch")

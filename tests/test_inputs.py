@@ -227,7 +227,7 @@ def test_library_callers_get_the_same_checks(tmp_path):
     with pytest.raises(FreetuneError, match=r"lora_rank = 0: must be 1 or more[^\n]*\n  lora_dropout = 1.5"):
         model.attach_lora(None, rank=0, alpha=16, dropout=1.5)
     from freetune.platform import resolve_paths
-    from freetune.train import make_config
+    from freetune.sft_config import make_config
 
     paths = resolve_paths(None, str(tmp_path), "run")
     with pytest.raises(FreetuneError, match=r"grad_accum = 0: .*\n  save_steps = 0"):

@@ -231,7 +231,7 @@ def test_the_trainer_gets_fsdp1_settings_and_a_cpu_run_is_refused(tmp_path):
     from freetune.errors import FreetuneError
     from freetune.platform import Paths
     from freetune.plan import Plan
-    from freetune.train import make_config
+    from freetune.sft_config import make_config
 
     run = tmp_path / "run"
     paths = Paths(platform="local", run_dir=str(run), checkpoints=str(run / "c"), adapter=str(run / "a"),

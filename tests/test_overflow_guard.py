@@ -43,7 +43,7 @@ def run(tmp_path, model_dir, *, poison_at: int, logging_steps: int, save_steps: 
     transformers.set_seed(0)
     model = freetune.model.load_base_model(str(model_dir), plan)
     model, _, _ = freetune.model.attach_lora(model, rank=8, alpha=16, dropout=0.0)
-    config = freetune.train.make_config(
+    config = freetune.sft_config.make_config(
         paths, plan, max_steps=max_steps, micro_batch=2, grad_accum=1, learning_rate=5e-3, max_length=64,
         optimizer="adamw_torch", logging_steps=logging_steps, save_steps=save_steps, save_total_limit=2, seed=0)
     with pytest.raises(FreetuneError) as caught:

@@ -60,7 +60,8 @@ def test_the_job_file_gives_the_ranks_the_notebook_s_run_sized_for_their_job(tmp
 
 
 def test_train_reads_the_plan_from_its_config_and_refuses_another(tmp_path):
-    from freetune.train import make_config, train
+    from freetune.sft_config import make_config
+    from freetune.train import train
 
     paths = Paths.under(tmp_path / "run").make()
     plan = make_plan(Hardware(ram_total_gib=16.0, ram_available_gib=12.0), micro_batch=2, grad_accum=1)

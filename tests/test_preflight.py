@@ -231,7 +231,7 @@ def test_a_card_with_room_for_some_layers_checkpoints_only_every_nth(tmp_path):
     that fits (the others skip the recompute), and the Trainer is told through every_n_layers."""
     from freetune.plan import estimate
     from freetune.platform import Paths
-    from freetune.train import make_config
+    from freetune.sft_config import make_config
 
     shape = KNOWN_SHAPES["qwen2.5-1.5b"]
     plan = make_plan(H100, model_shape=shape, memory_budget_gib=14.5, grad_accum=8)

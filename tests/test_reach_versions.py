@@ -137,7 +137,7 @@ def test_the_trainer_walks_the_model_once_for_its_flops_estimate_and_its_gradien
     paths.make()
     model = freetune.model.load_base_model(str(tiny_model_dir), plan)
     model, _, _ = freetune.model.attach_lora(model, rank=4, alpha=8, dropout=0.0, seed=0)
-    config = freetune.train.make_config(paths, plan, max_steps=2, micro_batch=2, grad_accum=1, learning_rate=1e-4,
+    config = freetune.sft_config.make_config(paths, plan, max_steps=2, micro_batch=2, grad_accum=1, learning_rate=1e-4,
                                         max_length=32, optimizer="adamw_torch", seed=0)
     config.max_grad_norm = 0.01  # small: the gradients are clipped
     trainer = FreetuneTrainer(model=model, args=config, train_dataset=Dataset.from_dict({"input_ids": [[5, 6, 7]] * 4}),

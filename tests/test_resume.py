@@ -1,7 +1,7 @@
 """Survive disconnects (issue 7): kill real training with SIGKILL at random moments, rerun, lose nothing.
 
 Every scenario runs tests/resume_driver.py (the recipe's path: freetune.model.load_base_model / attach_lora,
-freetune.train.make_config / train, real TRL on the tiny Qwen2 model) as a separate process, one process or two
+freetune.sft_config.make_config / train, real TRL on the tiny Qwen2 model) as a separate process, one process or two
 under torchrun (gloo), and kills it from outside (the whole process tree at once, like a vanished VM) or lets it
 kill itself at a chosen point of a checkpoint save. Between runs the test judges the checkpoints folder on its
 own (marker, file sizes, trainer_state step) and checks what the next run does with it:

@@ -33,7 +33,7 @@ def test_training_installs_the_chosen_features_in_order_says_why_one_steps_aside
                 lora_kernel="fused", mlp_kernel="chunked", cuda_graph_tokens=64, optimizer="adamw_torch")
     model = quantized_lora_model(tiny_model_dir, torch.float32)
     paths = run_paths(tmp_path, "speed")
-    config = freetune.train.make_config(paths, plan, max_steps=2, learning_rate=1e-3, max_length=64,
+    config = freetune.sft_config.make_config(paths, plan, max_steps=2, learning_rate=1e-3, max_length=64,
                                         logging_steps=1, save_steps=100, save_total_limit=2, seed=0)
     tokenizer = freetune.model.load_tokenizer(str(tiny_model_dir))
     summary = freetune.train.train(model, tokenizer, varied_rows(), config, plan=plan, paths=paths, resume=False)

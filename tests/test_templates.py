@@ -69,7 +69,7 @@ def test_every_assistant_turn_carries_labels_and_nothing_else_does(name, tiny_mo
     from trl import SFTTrainer
 
     from freetune.plan import Plan
-    from freetune.train import make_config
+    from freetune.sft_config import make_config
 
     tokenizer = _tokenizer_with(tiny_model_dir, name)
     end = tokenizer.eos_token if name == "auto" else templates.TEMPLATES[name].end_token(tokenizer)

@@ -46,7 +46,7 @@ def runs(tiny_model_dir, tmp_path_factory):
         paths = run_paths(root, name)
         model = freetune.model.load_base_model(str(tiny_model_dir), plan, gradient_checkpointing=False)
         model, _, _ = freetune.model.attach_lora(model, rank=8, alpha=16, dropout=0.0, seed=0)
-        config = freetune.train.make_config(
+        config = freetune.sft_config.make_config(
             paths, plan, max_steps=STEPS, micro_batch=4, grad_accum=1, learning_rate=5e-3, max_length=64,
             optimizer="adamw_torch", logging_steps=1, save_steps=100, save_total_limit=2, seed=0,
             eval_steps=EVAL_STEPS, report_to=report_to)
@@ -125,7 +125,7 @@ plan = Plan.build(device="cpu", compute_dtype="float32", mixed_precision="no", a
             grad_accum=1, gradient_checkpointing=False)
 model = freetune.model.load_base_model(sys.argv[1], plan, gradient_checkpointing=False)
 model, _, _ = freetune.model.attach_lora(model, rank=8, alpha=16, dropout=0.0, seed=0)
-config = freetune.train.make_config(paths, plan, max_steps=2, micro_batch=4, grad_accum=1, learning_rate=5e-3,
+config = freetune.sft_config.make_config(paths, plan, max_steps=2, micro_batch=4, grad_accum=1, learning_rate=5e-3,
                                     max_length=64, optimizer="adamw_torch", logging_steps=1, save_steps=100,
                                     eval_steps=1, report_to="trackio")
 freetune.train.train(model, freetune.model.load_tokenizer(sys.argv[1]), rows(8), config, plan=plan, paths=paths,

@@ -35,7 +35,7 @@ class NonFiniteGuard(TrainerCallback):
     keeps that step from being saved: transformers 5.17's _maybe_log_save_evaluate logs a step before it saves it,
     so should_save cleared at the log is what the save reads (FreetuneTrainer._save_checkpoint refuses NaN weights
     at the saves between log steps). The values are the ones the log step already copied to the host: no sync of
-    its own (the Trainer's per-micro-batch NaN filter is off for that reason, see freetune.train.make_config).
+    its own (the Trainer's per-micro-batch NaN filter is off for that reason, see freetune.sft_config.make_config).
     Under fp16 AMP an infinite gradient norm is a skipped step, a problem only once the loss scale has collapsed.
     `.reason` says what it saw (None: nothing)."""
 

@@ -18,7 +18,7 @@ answers it (issue 8 has the measurements):
   entropy / token-accuracy / token-count metrics: a device sync each time, which serialises the CPU with the GPU,
   and under DDP three extra collectives per micro-batch. freetune.trainer.FreetuneTrainer keeps the same sums on the
   GPU and reads them once per log step (same values in the log, a fraction of the syncs). The Trainer's other
-  per-step syncs are off in freetune.train.make_config (the blocking batch copy, the NaN filter) and
+  per-step syncs are off in freetune.sft_config.make_config (the blocking batch copy, the NaN filter) and
   freetune.checkpoint.StopAgreement (the ranks' stop flag, read a step late).
 - The micro-batch and gradient checkpointing (freetune.plan.make_plan: checkpointing is dropped when the
   memory estimate fits the full batch without it, the recompute costing ~30% of the step); the LoRA layers
