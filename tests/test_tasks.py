@@ -240,7 +240,8 @@ def test_home_assistant_audit_checks(home_assistant_sample):
 
 def test_load_task():
     assert load_task("svg") is svg and load_task(home_assistant) is home_assistant and load_task(None) is None
-    with pytest.raises(FreetuneError, match="svg, home_assistant"):
+    assert load_task("") is None  # the parameters cell's "no task"
+    with pytest.raises(FreetuneError, match='home_assistant, svg. Set `task` to one of them, or to "" '):
         load_task("sql")
 
 

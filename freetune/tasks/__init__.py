@@ -28,11 +28,11 @@ def load_task(task: str | ModuleType | None) -> ModuleType | None:
     """The task module for a name ("svg", "home_assistant"); a module passes through; None means no task."""
     from freetune.errors import FreetuneError
 
-    if task is None or isinstance(task, ModuleType):
-        return task
+    if task is None or task == "" or isinstance(task, ModuleType):  # "": the parameters cell's "no task"
+        return task or None
     if task not in TASK_NAMES:
         raise FreetuneError(f"Unknown task {task!r}: freetune has task metrics for {', '.join(TASK_NAMES)}. "
-                            f"Set `task` to one of them, or to None to skip task metrics.")
+                            f'Set `task` to one of them, or to "" to skip task metrics.')
     return importlib.import_module(f"freetune.tasks.{task}")
 
 
