@@ -23,7 +23,7 @@ from scripts.bench_prepare import ARCHITECTURE
 # (fp32_absmax is a plan setting under an experiment's name: job_plan turns it into keep_8bit_absmax=False.)
 EXPERIMENTS = ("liger", "cpp_wrapper", "combo_kernels", "dense_head", "no_packed_check", "pin_cores", "byte_masks",
                "fp32_absmax", "per_layer_casts", "copied_heads", "trl_empty_cache", "no_triton", "inline_dgrad",
-               "skip_guards", "no_asserts", "gc_unfrozen", "lora_dropout",
+               "skip_guards", "no_asserts", "gc_unfrozen", "lora_dropout", "full_recompute",
                "ddp_split", "static_graph", "bucket_view", "bucket_mb", "flat_sync")
 
 DDP_EXPERIMENTS = ("ddp_split", "static_graph", "bucket_view", "bucket_mb", "flat_sync")
@@ -162,6 +162,10 @@ PATCHES: dict[str, tuple[Patch, ...]] = {
     # the garbage collector walks every object at its full collections, as before
     "gc_unfrozen": (Patch("freetune.trainer", "GarbageFrozenAfterWarmup.on_step_end",
                           _set(lambda self, *args, **kwargs: None)),),
+    # the traced MLP computes gate, up and down again in freetune's checkpoint's recompute, as before issue 49's cut
+    # (freetune.speed.recompute)
+    "full_recompute": (Patch("freetune.speed.recompute", "recomputing",
+                             lambda old: lambda on=True: old(False)),),
     # DDP (apply_ddp_experiments)
     "bucket_view": (Patch("transformers", "Trainer._build_accelerator_args", _with_bucket_view),),
     "flat_sync": (Patch("freetune.trainer", "FreetuneTrainer.training_step", _flat_sync),),

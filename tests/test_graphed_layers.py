@@ -9,7 +9,10 @@ the same compiled layers under transformers' checkpoint.
 import pytest
 import torch
 
-from freetune.speed import batching, compiled_layers, cuda_graphs, lora_kernel
+import torch.utils._python_dispatch
+
+from freetune.speed import batching, compiled_layers, cuda_graphs, lora_kernel, recompute
+from freetune.speed import mlp as fused_mlp  # not `mlp`: the test names a model's MLP module that
 from test_kernels import quantized_lora_model
 
 
@@ -96,6 +99,52 @@ def test_the_checkpoint_trains_like_transformers_checkpoint_on_a_cpu(tiny_model_
     model.train()
     graphed.remove()
     assert [layer._gradient_checkpointing_func for layer in layers] == transformers_own
+
+
+class BaseWeightMatmuls(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the matmuls that read a whole MLP weight (an operand of intermediate x hidden or its transpose: the
+    4-bit weight dequantised), outside custom ops (whose inner matmuls the mode does not see; both runs below call
+    the same ones the same number of times)."""
+
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.shape, self.count = {hidden, inter}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            if any(isinstance(a, torch.Tensor) and a.dim() == 2 and set(a.shape) == self.shape for a in args):
+                self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_recompute_skips_the_traced_mlps_output_and_trains_the_same(tiny_model_dir):
+    """In freetune's checkpoint the recompute's output is thrown away, so the traced MLP computes there only the
+    LoRA-A outputs its backward reads: three fewer 4-bit matmuls per layer (gate, up, down) than under transformers'
+    checkpoint, where the recompute runs the whole MLP; the loss and every gradient are the same (d B of the down
+    projection then comes from the backward's own activation)."""
+    models = []
+    for _ in range(2):
+        model, graphed = graphed_model(tiny_model_dir, torch.float32, same_buffers=False)
+        assert fused_mlp.use_fused_mlp(model, kernel="traced")[0] == len(cuda_graphs.decoder_layers(model))
+        models.append((model, graphed))
+    (reference, _), (model, graphed) = models
+    assert graphed.install() == len(cuda_graphs.decoder_layers(model))
+    mlp = model.get_base_model().model.layers[0].mlp
+    hidden, inter = mlp.gate_proj.in_features, mlp.gate_proj.out_features
+    for seed, lengths in enumerate([(40, 70, 30), (64, 64, 20, 12)]):
+        batch = packed_batch(lengths, pad_to=256, max_row=64, seed=seed)
+        counted = []
+        for m in (reference, model):
+            with BaseWeightMatmuls(hidden, inter) as matmuls:
+                result = step(m, batch)
+            counted.append((result, matmuls.count))
+        (want, want_count), (got, got_count) = counted
+        assert got[0] == pytest.approx(want[0], rel=1e-6)
+        for name, grad in want[1].items():
+            assert torch.allclose(got[1][name], grad, rtol=1e-4, atol=1e-7), name
+        layers = len(cuda_graphs.decoder_layers(model))
+        assert want_count - got_count == 3 * layers, (want_count, got_count)
+    assert not recompute.RECOMPUTING  # set only while a recompute runs
 
 
 def test_a_batch_with_more_rows_than_the_buffers_hold_is_refused_with_the_count(tiny_model_dir):

@@ -127,8 +127,9 @@ GRAPHS_LOSS_TILE = Decision(GRAPHS_LOSS_TILE_TOKENS, f"{GRAPHS_LOSS_TILE_TOKENS:
 def choose_mlp_kernel(shape: ModelShape, budget_gib: float, max_length: int, settings: MemorySettings) -> Decision:
     """The MLP kernel, where every layer is checkpointed (memory is tight): "traced" (freetune.speed.mlp: the SwiGLU
     MLP as one autograd node in the compiled layer; its backward recomputes gate and up, two more 4-bit matmuls per
-    layer on a GPU that waits for the host anyway, and holds two tokens x intermediate tensors instead of seven, and two
-    chunks of them);
+    layer on a GPU that waits for the host anyway (under the CUDA graphs' checkpoint the recompute skips the MLP's own
+    gate, up and down instead: freetune.speed.recompute), and holds two tokens x intermediate tensors instead of seven,
+    and two chunks of them);
     "chunked" (the same as one op over token chunks) only where not even one row of max_length fits with the traced
     function, so that rows are not cut: it is host-bound, at about half the tokens/s (docs/performance.md). "layers"
     (each projection a fused LoRA layer) where not every layer is checkpointed: the gate and up outputs are then

@@ -46,7 +46,7 @@ from functools import partial
 from freetune.distributed import print0
 from freetune.reach.torch import foreach_copy_, mark_static, stash, stashed
 from freetune.reach.transformers import replace_checkpoint_function
-from freetune.speed import lora_kernel
+from freetune.speed import lora_kernel, recompute
 
 ROW_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k")  # row boundaries (int32, rows + 1), padded with empty rows
 LENGTH_KEYS = ("max_length_q", "max_length_k")  # longest row: the graphs take max_length, what any row can reach
@@ -334,10 +334,13 @@ class GraphedLayers:
 
         pairs = self.pairs[i]
         x = source.unsqueeze(0).detach().requires_grad_(input_grad)
-        # Saved tensors stay where they are (an offloading context around the step must not move them).
+        # Saved tensors stay where they are (an offloading context around the step must not move them). The
+        # recompute's output is not read (only its gradients are taken): parts that can, skip computing it
+        # (freetune.speed.recompute).
         with (torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same),
               self._reading(i, pairs)):
-            out = call(x, **shape.kwargs)
+            with recompute.recomputing():
+                out = call(x, **shape.kwargs)
             got = torch.autograd.grad(out, ([x] if input_grad else []) + list(pairs), dy.unsqueeze(0),
                                       allow_unused=True)
         if input_grad:

@@ -23,7 +23,11 @@ tokens x intermediate tensors (g and u, their LoRA terms added in place) and two
 middle of it is one custom op (swiglu_backward_) that mutates g and u, because traced as plain code the compiler fused
 and reordered it into kernels that kept five alive (and each addmm_ became a new tensor), and its forward and backward
 dequantise from different copies of the absmax values (or of their table) so that common-subexpression elimination
-cannot merge the backward's gate and up with the forward's (the partitioner would then save them).
+cannot merge the backward's gate and up with the forward's (the partitioner would then save them). Under freetune's
+own checkpoint (the CUDA graphs' layers, freetune.speed.layer_graphs) the recompute's output is thrown away, and
+there the node computes only the LoRA-A outputs its backward reads (freetune.speed.recompute): 3 + 5 base-weight
+matmuls per layer and step instead of 3 + 3 + 5 (issue 49: +11% tokens/s on Qwen2.5-1.5B's long rows,
+docs/performance.md).
 
 "chunked" (qlora_mlp): the whole MLP as one op over chunks of CHUNK_TOKENS tokens, so that not even g and u exist for
 the whole micro-batch; it runs its chunks one after another, dozens of eager launches each, at about half the

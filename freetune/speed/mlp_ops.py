@@ -120,31 +120,43 @@ def _chunks(tokens: int, chunk: int):
     return [(start, min(start + chunk, tokens)) for start in range(0, tokens, chunk)]
 
 
-def _swiglu_backward_impl(g, u, hg, gb, hu, ub, dy, dh, dw, dabs, dtab, da, md, blocksize: int, quant_type: str,
+def _swiglu_backward_impl(g, u, hg, gb, hu, ub, dy, dh, dw, dabs, dtab, da, md, hd, blocksize: int, quant_type: str,
                           shape: list[int], compute, scalings: list[float], p: float):
     """gate and up completed, then the down projection's A gradient and input gradient and SwiGLU's, for one MLP's
-    backward: returns d A of the down projection and leaves d gate in g and d up in u. g and u come as the base
-    projections x W^T; their LoRA terms (s h B^T, from the saved A outputs h) are added here, in place: written in the
-    compiled graph, each addmm_ became a new tokens x intermediate tensor beside the one it adds to (a memory snapshot
-    on the GPU: three of them alive at the MLP's peak). Then a chunk of tokens at a time, so the tensors of tokens x
-    intermediate alive at once are g and u and two chunks: the (dropped) activation, for d A, and the activation's
-    gradient (dy W + the LoRA term, its dropout mask applied to the product), which dies into d gate and d up."""
+    backward: returns d A and d B of the down projection and leaves d gate in g and d up in u. d B reads the down
+    projection's A output hd where the forward saved it; where it is None (a recompute that skipped the MLP's output,
+    freetune.speed.recompute), each chunk's activation times A^T, the product the forward would have saved. g and u
+    come as the base projections x W^T; their LoRA terms (s h B^T, from the saved A outputs h) are added here, in
+    place: written in the compiled graph, each addmm_ became a new tokens x intermediate tensor beside the one it adds
+    to (a memory snapshot on the GPU: three of them alive at the MLP's peak). Then a chunk of tokens at a time, so the
+    tensors of tokens x intermediate alive at once are g and u and two chunks: the (dropped) activation, for d A, and
+    the activation's gradient (dy W + the LoRA term, its dropout mask applied to the product), which dies into d gate
+    and d up."""
     g.addmm_(hg, gb.t(), alpha=scalings[0])
     u.addmm_(hu, ub.t(), alpha=scalings[1])
     scale = 0.0 if md is None else _keep_scale(p)
     w = nf4._dequantize(dw, dabs, (blocksize, quant_type, tuple(shape), compute), dtab)
-    grad_da = None
+    grad_da = grad_db = None
+    if hd is not None:
+        grad_db = (dy.t() @ hd).mul_(scalings[2])
     for start, end in _chunks(g.shape[0], CHUNK_TOKENS):
         mask = None if md is None else md[start:end]
-        part = dh[start:end].t() @ _activation(g[start:end], u[start:end], mask, scale)
+        act = _activation(g[start:end], u[start:end], mask, scale)
+        part = dh[start:end].t() @ act
         grad_da = part if grad_da is None else grad_da.add_(part)
+        if hd is None:
+            part = dy[start:end].t() @ (act @ da.t())
+            grad_db = part if grad_db is None else grad_db.add_(part)
+        del act
         dact = dy[start:end] @ w
         if mask is None:
             dact.addmm_(dh[start:end], da)
         else:
             _add_dropped_(dh[start:end] @ da, mask, scale, dact)
         _swiglu_grads_(g[start:end], u[start:end], dact)
-    return grad_da
+    if hd is None:
+        grad_db.mul_(scalings[2])
+    return grad_da, grad_db
 
 
 _SWIGLU_BACKWARD: dict = {}  # "op": freetune::swiglu_backward_, defined once per process
@@ -157,11 +169,11 @@ def _swiglu_backward_op():
         import torch
 
         schema = ("(Tensor(a!) g, Tensor(b!) u, Tensor hg, Tensor gb, Tensor hu, Tensor ub, Tensor dy, Tensor dh, "
-                  "Tensor dw, Tensor dabs, Tensor? dtab, Tensor da, Tensor? md, int blocksize, str quant_type, "
-                  "int[] shape, ScalarType compute, float[] scalings, float p) -> Tensor")
+                  "Tensor dw, Tensor dabs, Tensor? dtab, Tensor da, Tensor? md, Tensor? hd, int blocksize, "
+                  "str quant_type, int[] shape, ScalarType compute, float[] scalings, float p) -> (Tensor, Tensor)")
         op = torch.library.custom_op("freetune::swiglu_backward_", _swiglu_backward_impl, mutates_args=("g", "u"),
                                      schema=schema)
         op.register_fake(lambda g, u, hg, gb, hu, ub, dy, dh, dw, dabs, dtab, da, *rest:
-                         torch.empty_like(da, dtype=g.dtype))
+                         (torch.empty_like(da, dtype=g.dtype), dy.new_empty(dy.shape[1], da.shape[0])))
         _SWIGLU_BACKWARD["op"] = op
     return _SWIGLU_BACKWARD["op"]

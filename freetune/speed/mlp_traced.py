@@ -5,7 +5,7 @@ takes it).
 
 from __future__ import annotations
 
-from freetune.speed import lora_kernel, mlp_ops, nf4
+from freetune.speed import lora_kernel, mlp_ops, nf4, recompute
 
 _TRACED = None  # the QLoRAMLP class, built once, eagerly (as freetune.speed.lora_kernel's QLoRALinear: dynamo cannot
 # trace a class body)
@@ -60,6 +60,42 @@ def _gate_up_grads(x2, d_gate, d_up, saved: tuple, p: float) -> tuple[list, obje
     return grads, dx
 
 
+def _backward(ctx, dout):
+    """Both classes' backward: gate and up again, the down projection's and SwiGLU's gradients in one op, then gate's
+    and up's. hd, the down projection's saved A output, is None where the forward skipped it (the op then computes
+    d B from each chunk's activation)."""
+    (x2, hg, hu, hd, mg, mu, md, gw, gabs, gtab, uw, uabs, utab, dw, dabs, dtab, ga, gb, ua, ub, da,
+     db) = ctx.saved_tensors
+    specs, (gs, us, ds), p = ctx.specs, ctx.scalings, ctx.p
+    compute = specs[0][3]
+    shape = dout.shape
+    dy = dout.reshape(-1, shape[-1]).to(compute)
+    # gate and up again (their LoRA terms, from the saved A outputs, added by the op below)
+    g = x2 @ _dequantized(gw, gabs, gtab, specs[0], copy=True).t()
+    u = x2 @ _dequantized(uw, uabs, utab, specs[1], copy=True).t()
+    # The down projection's gradients and SwiGLU's, in one op that writes d gate and d up over g and u
+    # (mlp_ops._swiglu_backward_op): traced, the compiler fused and reordered this part into kernels that kept
+    # five or more tokens x intermediate tensors alive at once.
+    dh = (dy @ db).mul_(ds)
+    spec = specs[2]
+    grad_da, grad_db = mlp_ops._swiglu_backward_op()(g, u, hg, gb, hu, ub, dy, dh, dw, dabs, dtab, da, md, hd, spec[0],
+                                                     spec[1], list(spec[2]), spec[3], [gs, us, ds], p)
+    d_gate, d_up = g, u
+    del g, u
+    grads, dx = _gate_up_grads(x2, d_gate, d_up, ((hg, mg, ga, gb, gs, gw, gabs, gtab, specs[0]),
+                                                  (hu, mu, ua, ub, us, uw, uabs, utab, specs[1])), p)
+    grads += [grad_da, grad_db]
+    grads = [g.to(t) for g, t in zip(grads, ctx.lora_dtypes)]
+    dx = dx.reshape(*shape[:-1], dx.shape[-1]).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+    return (dx, *grads, *[None] * 12)
+
+
+def _keep(ctx, x, x2, hs: list, masks: list, weights: tuple, lora: list, specs, scalings, p: float) -> None:
+    ctx.save_for_backward(x2, *hs, *masks, *weights, *lora)
+    ctx.specs, ctx.scalings, ctx.p = specs, scalings, p
+    ctx.x_dtype = x.dtype
+
+
 def _traced_function():
     import torch
 
@@ -84,48 +120,48 @@ def _traced_function():
             act = torch.nn.functional.silu(g) * u
             del g, u
             out = _project(act, dw, dabs, dtab, specs[2], lora[4], lora[5], scalings[2], p, hs, masks)
-            ctx.save_for_backward(x2, *hs, *masks, gw, gabs, gtab, uw, uabs, utab, dw, dabs, dtab, *lora)
-            ctx.specs, ctx.scalings, ctx.p = specs, scalings, p
-            ctx.x_dtype = x.dtype
+            _keep(ctx, x, x2, hs, masks, (gw, gabs, gtab, uw, uabs, utab, dw, dabs, dtab), lora, specs, scalings, p)
             ctx.lora_dtypes = [t.dtype for t in (ga, gb, ua, ub, da, db)]
             out = out.reshape(*shape[:-1], out.shape[-1])
             return out if out.dtype == x.dtype else out.to(x.dtype)
 
         @staticmethod
         def backward(ctx, dout):
-            (x2, hg, hu, hd, mg, mu, md, gw, gabs, gtab, uw, uabs, utab, dw, dabs, dtab, ga, gb, ua, ub, da,
-             db) = ctx.saved_tensors
-            specs, (gs, us, ds), p = ctx.specs, ctx.scalings, ctx.p
-            compute = specs[0][3]
-            shape = dout.shape
-            dy = dout.reshape(-1, shape[-1]).to(compute)
-            # gate and up again (their LoRA terms, from the saved A outputs, added by the op below)
-            g = x2 @ _dequantized(gw, gabs, gtab, specs[0], copy=True).t()
-            u = x2 @ _dequantized(uw, uabs, utab, specs[1], copy=True).t()
-            # The down projection's gradients and SwiGLU's, in one op that writes d gate and d up over g and u
-            # (mlp_ops._swiglu_backward_op): traced, the compiler fused and reordered this part into kernels that kept
-            # five or more tokens x intermediate tensors alive at once.
-            dh = (dy @ db).mul_(ds)
-            grad_db = (dy.t() @ hd).mul_(ds)
-            spec = specs[2]
-            grad_da = mlp_ops._swiglu_backward_op()(g, u, hg, gb, hu, ub, dy, dh, dw, dabs, dtab, da, md, spec[0],
-                                                    spec[1], list(spec[2]), spec[3], [gs, us], p)
-            d_gate, d_up = g, u
-            del g, u
-            grads, dx = _gate_up_grads(x2, d_gate, d_up, ((hg, mg, ga, gb, gs, gw, gabs, gtab, specs[0]),
-                                                          (hu, mu, ua, ub, us, uw, uabs, utab, specs[1])), p)
-            grads += [grad_da, grad_db]
-            grads = [g.to(t) for g, t in zip(grads, ctx.lora_dtypes)]
-            dx = dx.reshape(*shape[:-1], dx.shape[-1]).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
-            return (dx, *grads, *[None] * 12)
+            return _backward(ctx, dout)
 
-    return QLoRAMLP
+    class QLoRAMLPRecompute(torch.autograd.Function):
+        """The same node in a checkpoint's recompute whose output nobody reads (freetune.speed.recompute; no dropout):
+        its forward computes only what the backward reads, the LoRA-A outputs of gate and up (tokens x r), and
+        returns zeros of the output's shape. Gate, up and down of the recompute are three 4-bit matmuls the
+        backward never used (it computes gate and up again itself); d B of the down projection comes from the
+        backward's own activation."""
+
+        @staticmethod
+        def forward(ctx, x, ga, gb, ua, ub, da, db, gw, gabs, gtab, uw, uabs, utab, dw, dabs, dtab, specs, scalings,
+                    p: float):
+            compute = specs[0][3]
+            shape = x.shape
+            x2 = x.reshape(-1, shape[-1]).to(compute)
+            lora = [t.to(compute) for t in (ga, gb, ua, ub, da, db)]
+            hs = [x2 @ lora[0].t(), x2 @ lora[2].t(), None]
+            _keep(ctx, x, x2, hs, [None, None, None], (gw, gabs, gtab, uw, uabs, utab, dw, dabs, dtab), lora, specs,
+                  scalings, p)
+            ctx.lora_dtypes = [t.dtype for t in (ga, gb, ua, ub, da, db)]
+            return x.new_zeros(*shape[:-1], specs[2][2][0])
+
+        @staticmethod
+        def backward(ctx, dout):
+            return _backward(ctx, dout)
+
+    return QLoRAMLP, QLoRAMLPRecompute
 
 
 def traced_mlp(x, projections, dropout_p: float):
     """down(silu(gate(x)) * up(x)) for three fused LoRA layers (lora_kernel.fused_call_args of gate, up, down), as one
     autograd.Function that compiled layers trace into their graph."""
-    fn = traced_class()
+    full, skipping = traced_class()
+    # In freetune's checkpoint's recompute (its output thrown away) the MLP computes only what its backward reads.
+    fn = skipping if recompute.RECOMPUTING and dropout_p == 0.0 else full
     gate, up, down = projections
     return fn.apply(x, gate["lora_a"], gate["lora_b"], up["lora_a"], up["lora_b"], down["lora_a"], down["lora_b"],
                     gate["weight"], gate["absmax"], gate["table"], up["weight"], up["absmax"], up["table"],
@@ -135,7 +171,8 @@ def traced_mlp(x, projections, dropout_p: float):
 
 
 def traced_class():
-    """The QLoRAMLP class and the op its backward calls, made once, eagerly (dynamo cannot trace either's making)."""
+    """The QLoRAMLP classes (the full node, the recompute's) and the op their backward calls, made once, eagerly
+    (dynamo cannot trace their making)."""
     global _TRACED
     if _TRACED is None:
         mlp_ops._swiglu_backward_op()
