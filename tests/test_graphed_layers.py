@@ -101,6 +101,24 @@ def test_the_checkpoint_trains_like_transformers_checkpoint_on_a_cpu(tiny_model_
     assert [layer._gradient_checkpointing_func for layer in layers] == transformers_own
 
 
+def test_a_batch_shorter_than_max_length_gives_the_layers_its_token_count_as_the_longest_row(tiny_model_dir):
+    """Rows of 150-500 tokens, 2 a batch, padded to multiples of 256 against max_length 1,024 (Qwen3-8B planned for
+    Unsloth's memory, issue 49): the longest row the layers get is the batch's token count where that is shorter than
+    max_length (the GPU's memory-efficient kernel refuses a longer one: "Invalid max_seqlen_k:1024"), and the step
+    still trains as under transformers' checkpoint."""
+    reference, _ = graphed_model(tiny_model_dir, torch.float32, same_buffers=False)
+    model, graphed = graphed_model(tiny_model_dir, torch.float32, max_tokens=1024, max_row=1024)
+    graphed.install()
+    for seed, lengths in enumerate([(150, 90), (300, 400), (120, 100)]):
+        batch = packed_batch(lengths, pad_to=256, max_row=1024, seed=seed)
+        want, got = step(reference, batch), step(model, batch)
+        assert got[0] == pytest.approx(want[0], rel=1e-6)
+        for name, grad in want[1].items():
+            assert torch.allclose(got[1][name], grad, rtol=1e-4, atol=1e-7), name
+    assert sorted(graphed.shapes) == [256, 768]
+    assert [graphed.shapes[n].kwargs["max_length_q"] for n in (256, 768)] == [256, 768]
+
+
 class BaseWeightMatmuls(torch.utils._python_dispatch.TorchDispatchMode):
     """Counts the matmuls that read a whole MLP weight (an operand of intermediate x hidden or its transpose: the
     4-bit weight dequantised), outside custom ops (whose inner matmuls the mode does not see; both runs below call

@@ -15,8 +15,8 @@ call. torch.compile's own CUDA graphs (mode="reduce-overhead") do not survive a 
   weights as before).
 - Fixed shapes: the padding-free batch is padded to a multiple of plan.kernels.cuda_graph_tokens tokens
   (batching.AlignedPaddingFree with rows of at most max_length tokens, which train nothing); the row boundaries
-  (cu_seq_lens) are padded with empty rows to a fixed count and the longest row given as max_length, so one graph
-  per token count serves every batch of that count.
+  (cu_seq_lens) are padded with empty rows to a fixed count and the longest row given as max_length (the token count
+  where that is shorter), so one graph per token count serves every batch of that count.
 - Fixed addresses: the hidden states go through two buffers in turn (layer i reads one and writes the other), the
   output gradient and the input gradient share a third, the position embeddings and row boundaries are copied into
   buffers of their own; the 16-bit LoRA weights are cast into the same buffers at every forward, and each layer's
@@ -151,14 +151,17 @@ class GraphedLayers:
 
     def _static_kwargs(self, shape: _Shape, kwargs: dict, tokens: int) -> dict:
         """The layers' keyword arguments with every tensor copied into `shape`'s own buffer (made at the first batch
-        of this count), the row boundaries padded with empty rows, the longest row set to max_row."""
+        of this count), the row boundaries padded with empty rows, the longest row set to max_row (the token count
+        where the batch is shorter)."""
         import torch
 
         def fixed(path, value):
             if isinstance(value, (tuple, list)):
                 return type(value)(fixed(f"{path}.{j}", v) for j, v in enumerate(value))
             if not isinstance(value, torch.Tensor):
-                return self.max_row if path in LENGTH_KEYS else value
+                # no row is longer than the batch: a fused attention kernel refuses a longest row past its keys
+                # ("Invalid max_seqlen_k": 2 rows of 150-500 tokens padded to 768, max_length 1,024)
+                return min(self.max_row, tokens) if path in LENGTH_KEYS else value
             if path in ROW_KEYS:
                 rows = self.max_rows + 1
                 if value.numel() > rows:
