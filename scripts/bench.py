@@ -145,7 +145,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                              "its peak memory the highest: the lent host's speed drifts between runs")
     parser.add_argument("--like-for-like", action="store_true",
                         help="one more freetune run per mode with the peer's LoRA dropout (0) and optimizer (8-bit "
-                             "AdamW), judged against the mode's target like the default run (LIKE_FOR_LIKE)")
+                             "AdamW), judged against the mode's target like the default run (LIKE_FOR_LIKE); with "
+                             "--match-peer-memory, freetune[matched] is planned with the peer's LoRA dropout (0) too")
     parser.add_argument("--logging-steps", type=int, default=1,
                         help="every run logs every N steps (each log step reads the metrics on the host: a sync); "
                              "the warm-up and measured steps are rounded up to multiples of N, the token counts being "

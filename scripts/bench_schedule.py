@@ -113,7 +113,9 @@ def make_jobs(args: argparse.Namespace, work: Path, device: str, gpus: int) -> t
         if args.like_for_like:
             runs.append((f"freetune[{LIKE_FOR_LIKE[0]}]", dict(LIKE_FOR_LIKE[1])))
         if args.match_peer_memory:  # last: its budget is the peak of a peer run measured before it
-            runs.append((MATCHED, {}))
+            # with --like-for-like, planned for the peer's LoRA too (dropout 0, the only one its fast path takes;
+            # the plan then picks the CUDA graphs where they fit); the optimizer stays the plan's choice
+            runs.append((MATCHED, {"lora_dropout": 0} if args.like_for_like else {}))
         for run, overrides in runs:
             warmup, measured = (-(-n // every) * every for n in steps[base_run(run)])
             jobs.append(dict(mode=mode, run=run, shape=spec["shape"], cap_gib=spec["cap_gib"],

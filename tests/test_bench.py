@@ -456,6 +456,35 @@ def test_the_memory_matched_run_is_planned_for_the_peers_peak_measured_before_it
     assert (on_gpu.batch.micro_batch, on_gpu.memory.checkpoint_every, on_gpu.memory.offload_activations) == (8, 1, True)
 
 
+def test_like_for_like_plans_the_matched_run_with_the_peers_lora_dropout(tmp_path, monkeypatch):
+    """Issue 49: with --like-for-like, freetune[matched] is planned with Unsloth's LoRA dropout (0), as the like run
+    is, so that the plan can take the CUDA graphs at the peer's memory; without it, with the mode's recipe's (0.05)."""
+    import pytest
+
+    import freetune.plan
+    from scripts import bench_schedule
+
+    bench = load_bench()
+    monkeypatch.setattr(bench_schedule, "build_tokenizer", lambda out: out)
+    monkeypatch.setattr(bench_schedule, "build_model", lambda shape, out, tokenizer_dir, device: out)
+    monkeypatch.setattr(bench_schedule, "measure_matmul_tflops", lambda device: {"fp16": 1.0})
+    planned = []
+
+    def make_plan(*args, **kwargs):
+        planned.append(kwargs["lora_dropout"])
+        raise StopIteration  # what make_plan was asked is all this test reads
+
+    monkeypatch.setattr(freetune.plan, "make_plan", make_plan)
+    for flags in ([], ["--like-for-like"]):
+        args = bench.parse_args(["--modes", "t4", "--runs", "unsloth", "--match-peer-memory", *flags])
+        _, jobs, _ = bench_schedule.make_jobs(args, tmp_path, "cpu", 0)
+        matched = [j for j in jobs if j["match_peer"]]
+        assert [j["run"] for j in matched] == [bench.MATCHED]
+        with pytest.raises(StopIteration):
+            bench.job_plan(matched[0], bench.shape_of("qwen2.5-1.5b"), tmp_path)
+    assert planned == [0.05, 0.0]
+
+
 def test_the_row_length_option_and_the_8b_mode_set_the_rows_and_bad_values_are_refused_before_any_work():
     """Issue 49: --row-lengths MIN,MAX or 'max' (every row at max_length), the t4_8b mode's own 150-500 tokens; a bad
     value or mode stops argparse with what to give (exit 2, nothing built)."""
