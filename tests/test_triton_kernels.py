@@ -151,25 +151,28 @@ def check_mlp_backward_op(device):
             kept = torch.rand(tokens, inter, generator=gen).to(device) > dropout
             md = lora_kernel.pack_mask(kept) if dropout else None
 
-            def run():
-                gi, ui = g.clone(), u.clone()
-                grad_da = mlp_ops._swiglu_backward_impl(gi, ui, hg, gb, hu, ub, dy, dh, packed, dabs, dtab, da, md,
-                                                          spec[0], spec[1], list(spec[2]), spec[3], [2.0, 2.0],
-                                                          dropout)
-                return grad_da.float(), gi.float(), ui.float()
+            # hd: the down projection's saved A output, or None (a recompute that skipped the MLP's output: d B
+            # from each chunk's activation)
+            for hd in (rand(tokens, r), None):
+                def run():
+                    gi, ui = g.clone(), u.clone()
+                    grad_da, grad_db = mlp_ops._swiglu_backward_impl(
+                        gi, ui, hg, gb, hu, ub, dy, dh, packed, dabs, dtab, da, md, hd, spec[0], spec[1],
+                        list(spec[2]), spec[3], [2.0, 2.0, 2.0], dropout)
+                    return grad_da.float(), grad_db.float(), gi.float(), ui.float()
 
-            triton_kernels._BROKEN["why"] = "the eager code, for comparison"
-            eager = run()
-            triton_kernels._BROKEN.clear()
-            launched.clear()
-            with_kernels = run()
-            assert not triton_kernels._BROKEN, triton_kernels._BROKEN
-            # the down projection's weight once, then per chunk of 16 tokens (3): the activation (its dropout
-            # applied), the dropped LoRA term where there is dropout, the SwiGLU gradients
-            per_chunk = ["activation", "dropped", "swiglu_grads_"] if dropout else ["activation", "swiglu_grads_"]
-            assert launched == ["dequantize_nf4_nested"] + per_chunk * 3
-            for a, b in zip(with_kernels, eager):
-                torch.testing.assert_close(a, b, rtol=0.02, atol=0.02 * b.abs().max().item())
+                triton_kernels._BROKEN["why"] = "the eager code, for comparison"
+                eager = run()
+                triton_kernels._BROKEN.clear()
+                launched.clear()
+                with_kernels = run()
+                assert not triton_kernels._BROKEN, triton_kernels._BROKEN
+                # the down projection's weight once, then per chunk of 16 tokens (3): the activation (its dropout
+                # applied), the dropped LoRA term where there is dropout, the SwiGLU gradients
+                per_chunk = ["activation", "dropped", "swiglu_grads_"] if dropout else ["activation", "swiglu_grads_"]
+                assert launched == ["dequantize_nf4_nested"] + per_chunk * 3
+                for a, b in zip(with_kernels, eager):
+                    torch.testing.assert_close(a, b, rtol=0.02, atol=0.02 * b.abs().max().item())
     finally:
         triton_kernels.run = real_run
         mlp_ops.CHUNK_TOKENS = chunk
