@@ -12,7 +12,7 @@ import torch
 import torch.utils._python_dispatch
 
 from freetune.speed import batching, compiled_layers, cuda_graphs, lora_kernel, recompute
-from freetune.speed import mlp as fused_mlp  # not `mlp`: the test names a model's MLP module that
+from freetune.speed import mlp as fused_mlp  # not `mlp`: the recompute test names a model's MLP module so
 from test_kernels import quantized_lora_model
 
 

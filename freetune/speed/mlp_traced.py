@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from freetune.speed import lora_kernel, mlp_ops, nf4, recompute
 
-_TRACED = None  # the QLoRAMLP class, built once, eagerly (as freetune.speed.lora_kernel's QLoRALinear: dynamo cannot
-# trace a class body)
+_TRACED = None  # the QLoRAMLP classes (the full node, the recompute's), built once, eagerly (as
+# freetune.speed.lora_kernel's QLoRALinear: dynamo cannot trace a class body)
 
 
 def _dequantized(packed, absmax, table, spec, copy: bool = False):
@@ -90,10 +90,18 @@ def _backward(ctx, dout):
     return (dx, *grads, *[None] * 12)
 
 
-def _keep(ctx, x, x2, hs: list, masks: list, weights: tuple, lora: list, specs, scalings, p: float) -> None:
+def _inputs(x, adapters: tuple, compute):
+    """Both classes' forward inputs in the compute dtype: x as tokens x hidden, the six LoRA weights."""
+    return x.reshape(-1, x.shape[-1]).to(compute), [t.to(compute) for t in adapters]
+
+
+def _keep(ctx, x, x2, hs: list, masks: list, weights: tuple, adapters: tuple, lora: list, specs, scalings,
+          p: float) -> None:
+    """What both classes' backward reads (_backward); adapters: the LoRA weights as given (their gradients' dtypes)."""
     ctx.save_for_backward(x2, *hs, *masks, *weights, *lora)
     ctx.specs, ctx.scalings, ctx.p = specs, scalings, p
     ctx.x_dtype = x.dtype
+    ctx.lora_dtypes = [t.dtype for t in adapters]
 
 
 def _traced_function():
@@ -110,18 +118,16 @@ def _traced_function():
         @staticmethod
         def forward(ctx, x, ga, gb, ua, ub, da, db, gw, gabs, gtab, uw, uabs, utab, dw, dabs, dtab, specs, scalings,
                     p: float):
-            compute = specs[0][3]
             shape = x.shape
-            x2 = x.reshape(-1, shape[-1]).to(compute)
-            lora = [t.to(compute) for t in (ga, gb, ua, ub, da, db)]
+            x2, lora = _inputs(x, (ga, gb, ua, ub, da, db), specs[0][3])
             hs, masks = [], []
             g = _project(x2, gw, gabs, gtab, specs[0], lora[0], lora[1], scalings[0], p, hs, masks)
             u = _project(x2, uw, uabs, utab, specs[1], lora[2], lora[3], scalings[1], p, hs, masks)
             act = torch.nn.functional.silu(g) * u
             del g, u
             out = _project(act, dw, dabs, dtab, specs[2], lora[4], lora[5], scalings[2], p, hs, masks)
-            _keep(ctx, x, x2, hs, masks, (gw, gabs, gtab, uw, uabs, utab, dw, dabs, dtab), lora, specs, scalings, p)
-            ctx.lora_dtypes = [t.dtype for t in (ga, gb, ua, ub, da, db)]
+            _keep(ctx, x, x2, hs, masks, (gw, gabs, gtab, uw, uabs, utab, dw, dabs, dtab), (ga, gb, ua, ub, da, db),
+                  lora, specs, scalings, p)
             out = out.reshape(*shape[:-1], out.shape[-1])
             return out if out.dtype == x.dtype else out.to(x.dtype)
 
@@ -139,15 +145,11 @@ def _traced_function():
         @staticmethod
         def forward(ctx, x, ga, gb, ua, ub, da, db, gw, gabs, gtab, uw, uabs, utab, dw, dabs, dtab, specs, scalings,
                     p: float):
-            compute = specs[0][3]
-            shape = x.shape
-            x2 = x.reshape(-1, shape[-1]).to(compute)
-            lora = [t.to(compute) for t in (ga, gb, ua, ub, da, db)]
+            x2, lora = _inputs(x, (ga, gb, ua, ub, da, db), specs[0][3])
             hs = [x2 @ lora[0].t(), x2 @ lora[2].t(), None]
-            _keep(ctx, x, x2, hs, [None, None, None], (gw, gabs, gtab, uw, uabs, utab, dw, dabs, dtab), lora, specs,
-                  scalings, p)
-            ctx.lora_dtypes = [t.dtype for t in (ga, gb, ua, ub, da, db)]
-            return x.new_zeros(*shape[:-1], specs[2][2][0])
+            _keep(ctx, x, x2, hs, [None, None, None], (gw, gabs, gtab, uw, uabs, utab, dw, dabs, dtab),
+                  (ga, gb, ua, ub, da, db), lora, specs, scalings, p)
+            return x.new_zeros(*x.shape[:-1], specs[2][2][0])
 
         @staticmethod
         def backward(ctx, dout):
