@@ -90,7 +90,7 @@ def make_jobs(args: argparse.Namespace, work: Path, device: str, gpus: int) -> t
               "runs": []}
     print(f"{report['device']} x {max(gpus, 1)}: matmul {report['matmul_tflops']} TFLOP/s", flush=True)
 
-    sample_file, longest_row = None, None  # synthetic rows: cut at max_length, the plan sizes for it
+    sample_file, longest_row = None, None
     if args.rows == "svg_sample":  # one rows file for every mode (all Qwen2.5 shapes)
         sample_file = work / "rows-svg_sample.json"
         if not sample_file.exists():
@@ -108,6 +108,9 @@ def make_jobs(args: argparse.Namespace, work: Path, device: str, gpus: int) -> t
         rows_file = sample_file or work / f"rows-{shape.name}-{low}-{high}.json"
         if not rows_file.exists():
             rows_file.write_text(json.dumps(synthetic_rows(256, shape.vocab, (low, high))))
+        # the plan sized for the rows' longest, as the recipes' replan sizes it from the audit (t4_8b's 150-500 tokens:
+        # 500, not max_length; the memory estimate and the CUDA graphs' buffers follow it)
+        rows_longest = longest_row or max(map(len, json.loads(rows_file.read_text())))
         runs = [(run, {}) for run in RUNS + PEER_RUNS if run in args.runs.split(",")]
         runs += [(f"freetune[{label}]", overrides) for label, overrides in parse_variants(args.variants)]
         if args.like_for_like:
@@ -121,7 +124,7 @@ def make_jobs(args: argparse.Namespace, work: Path, device: str, gpus: int) -> t
             jobs.append(dict(mode=mode, run=run, shape=spec["shape"], cap_gib=spec["cap_gib"],
                              precision=spec["precision"], max_length=max_length, warmup=warmup, steps=measured,
                              model=str(model_dir), tokenizer=str(tokenizer_dir), rows=str(rows_file),
-                             longest_row=longest_row,
+                             longest_row=rows_longest,
                              model_shape=shape.name,
                              work=str(work), world=1, batching="padding_free" if args.tiny else None,
                              overrides=overrides, profile=args.profile, sample_stacks=args.sample_stacks,

@@ -110,6 +110,7 @@ def job_plan(job: dict, shape: ModelShape, run_dir: Path):
                      memory_budget_gib=budget, lora_dropout=dropout, longest_row=job.get("longest_row"))
     plain = dict(batching="padded", sampler="random", attn_implementation="sdpa", lora_kernel="peft", compile=False,
                  optimizer="paged_adamw_8bit", frozen_dtype="float32", offload_activations=False, cuda_graph_tokens=0,
+                 cuda_graph_max_tokens=0,
                  reasons={**plan.reasons, "batching": "plain stack: padded to the longest row of the batch",
                           "attention": "plain stack: sdpa", "sampler": "plain stack: random order"})
     if job["run"] == "free_tier":

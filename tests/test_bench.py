@@ -548,3 +548,24 @@ def test_the_step_breakdown_sorts_kernels_by_what_they_do_and_when():
         "backward"
     assert sb.phase_of(["aten::mm", "aten::matmul", "Unsloth_Offloaded_Gradient_CheckpointerBackward"]) == "recompute"
     assert sb.phase_of(["aten::_foreach_add_", "Optimizer.step#AdamW.step"]) == "optimizer"
+
+
+def test_every_job_plans_for_its_rows_longest_row_as_the_recipes_replan_does(tmp_path, monkeypatch):
+    """Issue 49: t4_8b's synthetic rows of 150-500 tokens are planned for their longest row, as home_assistant's
+    replan plans for the audit's (the memory estimate and the CUDA graphs' buffers follow it), not for max_length;
+    rows at max_length ('--row-lengths max') for max_length."""
+    import json
+
+    from scripts import bench_schedule
+
+    bench = load_bench()
+    monkeypatch.setattr(bench_schedule, "build_tokenizer", lambda out: out)
+    monkeypatch.setattr(bench_schedule, "build_model", lambda shape, out, tokenizer_dir, device: out)
+    monkeypatch.setattr(bench_schedule, "measure_matmul_tflops", lambda device: {"fp16": 1.0})
+    for lengths, flags in (((150, 500), []), ((1024, 1024), ["--row-lengths", "max"])):
+        args = bench.parse_args(["--modes", "t4_8b", "--runs", "unsloth", "--like-for-like", *flags])
+        _, jobs, _ = bench_schedule.make_jobs(args, tmp_path, "cpu", 0)
+        rows = json.loads(open(jobs[0]["rows"]).read())
+        longest = max(map(len, rows))
+        assert lengths[0] <= min(map(len, rows)) and longest <= lengths[1] and longest > lengths[1] - 20
+        assert {j["longest_row"] for j in jobs} == {longest}

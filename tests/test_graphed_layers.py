@@ -198,8 +198,8 @@ def gpu_plan(memory_gib, **asked):
 def test_the_plan_replays_the_layers_as_graphs_where_every_layer_is_checkpointed_and_dropout_is_off(monkeypatch):
     """A 4 GiB plan for TinyLlama on a T4 (every layer checkpointed, padding-free rows): CUDA graphs, batches in
     eighths of the largest, 8-bit AdamW and smaller loss tiles paying for the graphs' buffers, which the memory
-    estimate counts. With dropout, or with the whole batch fitting without checkpointing, no graphs and the optimizer
-    as before."""
+    estimate counts; the buffers hold the batches of the data's longest row. With dropout, or with the whole batch
+    fitting without checkpointing, no graphs and the optimizer as before."""
     from freetune.plan import memory, sizing
     from freetune.speed import attention
     from freetune.plan.decisions import resolve_shape
@@ -212,7 +212,13 @@ def test_the_plan_replays_the_layers_as_graphs_where_every_layer_is_checkpointed
     assert plan.memory.checkpointing and plan.memory.checkpoint_every == 1 and plan.batch.batching == "padding_free"
     assert plan.kernels.cuda_graph_tokens == sizing.graph_tokens(plan.batch.micro_batch, plan.batch.max_length) == 1024
     assert plan.memory.optimizer == "adamw_8bit" and plan.kernels.loss_tile_tokens == sizing.GRAPHS_LOSS_TILE_TOKENS
-    assert dict((c, v) for c, v, _ in plan.rows())["CUDA graphs"] == "per layer, batches in multiples of 1024 tokens"
+    assert (plan.kernels.cuda_graph_max_tokens, plan.batch.micro_batch) == (8 * 1024, 8)
+    table = dict((c, v) for c, v, _ in plan.rows())
+    assert table["CUDA graphs"] == "per layer, batches in multiples of 1024 tokens up to 8192"
+    # rows of at most 600 tokens (replan's longest_row): buffers for 8 x 600 tokens in multiples of 640, not 8 x 1,024
+    short = gpu_plan(4, memory_budget_gib=4, lora_dropout=0.0, longest_row=600)
+    assert (short.batch.max_length, short.kernels.cuda_graph_tokens, short.kernels.cuda_graph_max_tokens) == (
+        1024, 640, 5120)
     shape = resolve_shape("TinyLlama/TinyLlama-1.1B-Chat-v1.0")
     settings = {k: v for k, v in plan.memory.estimate.settings.items() if k != "model"}
     assert settings["cuda_graphs"]
@@ -265,3 +271,21 @@ def test_the_graphs_replay_what_transformers_checkpoint_computes_on_a_gpu(tiny_m
     assert graphed.recorded == 2 * 2 * layers
     compiled_layers.uncompile_layers(model)
     compiled_layers.uncompile_layers(reference)
+
+
+def test_the_mlp_kernel_is_weighed_with_the_embeddings_already_in_host_ram(monkeypatch):
+    """Issue 49: Qwen3-8B on a T4 at 7.11 GiB (Unsloth's peak + 5%), rows of at most 500 tokens. Its input embeddings
+    (1.2 GiB) go to host RAM; the MLP kernel's one-row check counted them on the GPU and picked the chunked MLP (half
+    the speed) at 4 x 2 rows. Weighed with them in host RAM: the traced MLP and all 8 rows in one micro-batch."""
+    from freetune.plan import GPU, Hardware, make_plan
+    from freetune.speed import attention
+
+    monkeypatch.setattr(attention, "varlen_works", lambda device, policy="ampere": (True, "probed by the test"))
+    monkeypatch.setattr(attention, "varlen_backend", lambda device: "efficient")
+    gpu = GPU(name="NVIDIA T4", capability=(7, 5), memory_gib=15)
+    hardware = Hardware(gpus=[gpu], torch="2.13.0", cuda="12.8", arch_list=["sm_75"])
+    plan = make_plan(hardware, model_shape="qwen3-8b", grad_accum=8, memory_budget_gib=7.11, longest_row=500,
+                     lora_dropout=0.0)
+    assert plan.memory.embeddings_on_host and plan.kernels.cuda_graph_tokens
+    assert (plan.kernels.mlp, plan.batch.micro_batch) == ("traced", 8)
+    assert plan.memory.estimate.total_gib <= 7.11

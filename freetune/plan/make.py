@@ -197,12 +197,13 @@ def _memory_step(draft: _Draft, sizing: _Sizing, **lora) -> None:
         draft.offload = choose_offload(sizing.shape, sizing.budget.value, sizing.sized,
                                        sizing.micro_batch or sizing.cap, settings)
         settings = replace(settings, offload_activations=draft.offload.value)
-    draft.mlp_kernel = choose_mlp_kernel(sizing.shape, sizing.budget.value, sizing.sized, settings)
-    settings = replace(settings, mlp_kernel=draft.mlp_kernel.value)
+    # the loss tile and the embeddings' place first: the MLP kernel's choice weighs one row against what is left
     draft.loss_tile = choose_loss_tile(settings)
     settings = replace(settings, loss_tile_tokens=draft.loss_tile.value)
     draft.embeddings = choose_embeddings(sizing.shape, settings, draft.layout.value)
     settings = replace(settings, embeddings_on_host=draft.embeddings.value)
+    draft.mlp_kernel = choose_mlp_kernel(sizing.shape, sizing.budget.value, sizing.sized, settings)
+    settings = replace(settings, mlp_kernel=draft.mlp_kernel.value)
     draft.cuda_graphs = choose_cuda_graphs(settings, draft.layout.value, lora["lora_dropout"], sizing.shape)
     if draft.cuda_graphs.value:
         draft.loss_tile = GRAPHS_LOSS_TILE
@@ -349,6 +350,9 @@ def _build(draft: _Draft, sizing: _Sizing, asked: dict) -> Plan:
     cuda_graphs = draft.cuda_graphs
     if settings.cuda_graphs and not graphs:
         cuda_graphs = Decision(False, "off: the final layout has no padding-free, fused, compiled layers")
+    # the graphs' buffers hold the batches the memory estimate was sized for (the data's longest row, once known)
+    multiple = graph_tokens(draft.batch.value, fitted) if graphs else 0
+    graph_max_tokens = -(-draft.batch.value * fitted // multiple) * multiple if graphs else 0
     mlp_kernel = draft.mlp_kernel
     if settings.mlp_kernel != "layers" and draft.lora_kernel.value != "fused":  # FSDP took over after the memory step
         mlp_kernel = Decision("layers", "the final layout has no fused LoRA layers")
@@ -375,7 +379,7 @@ def _build(draft: _Draft, sizing: _Sizing, asked: dict) -> Plan:
         frozen_dtype=choose_frozen_dtype(policy).value, offload_activations=offload,
         loss_tile_tokens=settings.loss_tile_tokens, checkpoint_every=settings.checkpoint_every, mlp_kernel=mlp,
         embeddings_on_host=settings.embeddings_on_host,
-        cuda_graph_tokens=graph_tokens(draft.batch.value, length.value) if graphs else 0,
+        cuda_graph_tokens=multiple, cuda_graph_max_tokens=graph_max_tokens,
         keep_8bit_absmax=keeps_8bit_absmax(draft.lora_kernel.value, draft.compile.value, mlp),
         model=_model_text(draft, asked["model_shape"]), asked=asked,
         memory=draft.memory.value if draft.memory is not None else None,

@@ -68,6 +68,9 @@ class Kernels:
     # > 0: the checkpointed layers' forward and backward replayed as CUDA graphs, padding-free batches padded to a
     # multiple of this many tokens (freetune.speed.cuda_graphs); 0: off
     cuda_graph_tokens: int = 0
+    # The largest padded batch the graphs' buffers hold: micro_batch rows of the length the memory was sized for (the
+    # data's longest row, once replan has it), in whole multiples; a longer batch runs without the graphs. 0: off.
+    cuda_graph_max_tokens: int = 0
     loss_tile_tokens: int = 0       # tokens per tile of TRL's chunked loss head (0: TRL's own, 4,096; choose_loss_tile)
     why: dict = field(default_factory=dict)
 
@@ -106,7 +109,8 @@ FLAT = {
     "max_length": ("batch", "max_length"), "batching": ("batch", "batching"),
     "attn_implementation": ("kernels", "attention"), "lora_kernel": ("kernels", "lora"),
     "mlp_kernel": ("kernels", "mlp"), "compile": ("kernels", "compile"),
-    "cuda_graph_tokens": ("kernels", "cuda_graph_tokens"), "loss_tile_tokens": ("kernels", "loss_tile_tokens"),
+    "cuda_graph_tokens": ("kernels", "cuda_graph_tokens"),
+    "cuda_graph_max_tokens": ("kernels", "cuda_graph_max_tokens"), "loss_tile_tokens": ("kernels", "loss_tile_tokens"),
     "gradient_checkpointing": ("memory", "checkpointing"), "checkpoint_every": ("memory", "checkpoint_every"),
     "offload_activations": ("memory", "offload_activations"), "optimizer": ("memory", "optimizer"),
     "embeddings_on_host": ("memory", "embeddings_on_host"), "keep_8bit_absmax": ("memory", "keep_8bit_absmax"),
@@ -205,6 +209,7 @@ class Plan:
             ("optimizer", m.optimizer, r.get("optimizer", "")),
             ("compile", "per decoder layer" if k.compile else "off", r.get("compile", "")),
             ("CUDA graphs", f"per layer, batches in multiples of {k.cuda_graph_tokens} tokens"
+             + (f" up to {k.cuda_graph_max_tokens}" if k.cuda_graph_max_tokens else "")
              if k.cuda_graph_tokens else "off", r.get("cuda_graphs", "")),
             ("max_length", str(b.max_length), r.get("max_length", "")),
         ]

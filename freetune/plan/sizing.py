@@ -117,6 +117,8 @@ def choose_optimizer(optimizer: str, device: str, shape, budget_gib: float | Non
 
 # With CUDA graphs the loss head's tiles are smaller: the graphs' buffers are paid for there (and by 8-bit AdamW).
 GRAPHS_LOSS_TILE_TOKENS = 512
+# Fused AdamW measured +5-7% tokens/s with the graphs (GPU-bound long rows, docs/performance.md, issue 49), but its
+# ~72 MiB more state for TinyLlama put the 4 GiB plan over Unsloth's peak on bench.py's default rows: 8-bit AdamW stays.
 GRAPHS_OPTIMIZER = Decision("adamw_8bit", "8-bit AdamW: a quarter of fused AdamW's state, which pays for the CUDA "
                                           "graphs' buffers; its per-tensor launches run while the GPU works through "
                                           "the graphs")
