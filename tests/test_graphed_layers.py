@@ -30,6 +30,29 @@ def packed_batch(lengths, pad_to, max_row, vocab=500, seed=0, device="cpu"):
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
+def test_a_collator_without_row_boundaries_gets_them_from_the_positions_as_trl_116_gives_them():
+    """TRL 1.15's padding-free collator gives no cu_seq_lens (1.16's does): freetune's attention then fell back to sdpa
+    with a dense block-diagonal mask, 3.7x slower on an H200. AlignedPaddingFree adds them from the restarting
+    position_ids; here equal to what TRL 1.16's own collator computes, with and without the alignment's padding."""
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    keys = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+    trl_116 = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)
+
+    def like_trl_115(examples):
+        return {k: v for k, v in trl_116(examples).items() if k not in keys + ("seq_idx",)}
+
+    like_trl_115.pad_token_id = 0
+    rows = [{"input_ids": list(range(3, 3 + n))} for n in (30, 50, 20)]
+    for multiple in (batching.PAD_TO, 256):
+        want = batching.AlignedPaddingFree(trl_116, multiple=multiple, max_row=64)(rows)
+        got = batching.AlignedPaddingFree(like_trl_115, multiple=multiple, max_row=64)(rows)
+        assert [got[k].tolist() if isinstance(got[k], torch.Tensor) else got[k] for k in keys] == [
+            want[k].tolist() if isinstance(want[k], torch.Tensor) else want[k] for k in keys]
+        assert got["cu_seq_lens_q"].dtype == want["cu_seq_lens_q"].dtype == torch.int32
+    assert got["cu_seq_lens_q"].tolist() == [0, 30, 80, 100, 164, 228, 256]
+
+
 def test_padding_free_batches_pad_to_a_fixed_length_in_rows_no_longer_than_max_row():
     batch = packed_batch([30, 50, 20], pad_to=256, max_row=64)
     assert batch["input_ids"].shape == (1, 256)

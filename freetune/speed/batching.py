@@ -45,6 +45,8 @@ class AlignedPaddingFree:
         import torch
 
         out = self.collator(examples)
+        if "position_ids" in out and "cu_seq_lens_q" not in out:
+            add_row_boundaries(out)
         length = out["input_ids"].size(1)
         pad = -length % self.multiple
         out[PAD_KEY] = pad
@@ -67,6 +69,19 @@ class AlignedPaddingFree:
             out["cu_seq_lens_q"] = out["cu_seq_lens_k"] = cu
             out["max_length_q"] = out["max_length_k"] = max(out["max_length_q"], max(rows))
         return out
+
+
+def add_row_boundaries(batch) -> None:
+    """cu_seq_lens and max_length (q and k) from a padding-free batch's restarting position_ids, as TRL 1.16's
+    collator adds them. TRL 1.15's adds none (written against 1.15.0 and 1.16.0): freetune's attention then took the
+    sdpa path with a block-diagonal mask built in every layer, 3.7x slower on an H200 (docs/performance.md,
+    issue 49)."""
+    import torch
+
+    starts = (batch["position_ids"][0] == 0).nonzero().flatten()
+    cu = torch.cat([starts, torch.tensor([batch["position_ids"].size(1)])]).to(torch.int32)
+    batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = cu
+    batch["max_length_q"] = batch["max_length_k"] = int(cu.diff().max())
 
 
 def pad_rows(pad: int, max_row: int | None = None) -> list[int]:
