@@ -20,7 +20,7 @@ from freetune.plan.record import Plan
 from freetune.plan.shapes import ModelShape
 from freetune.plan.sizing import (GRAPHS_LOSS_TILE, GRAPHS_OPTIMIZER, MemorySettings, choose_checkpoint_every,
                                   choose_cuda_graphs, choose_embeddings, choose_loss_tile, choose_mlp_kernel,
-                                  choose_offload, choose_optimizer, graph_tokens, sharded)
+                                  choose_offload, choose_optimizer, graph_buffer_tokens, graph_tokens, sharded)
 
 # The shortest rows a plan lowers max_length to before it calls a model too big (memory.fit's min_length).
 SHORTEST_ROWS = 256
@@ -352,7 +352,7 @@ def _build(draft: _Draft, sizing: _Sizing, asked: dict) -> Plan:
         cuda_graphs = Decision(False, "off: the final layout has no padding-free, fused, compiled layers")
     # the graphs' buffers hold the batches the memory estimate was sized for (the data's longest row, once known)
     multiple = graph_tokens(draft.batch.value, fitted) if graphs else 0
-    graph_max_tokens = -(-draft.batch.value * fitted // multiple) * multiple if graphs else 0
+    graph_max_tokens = graph_buffer_tokens(draft.batch.value, fitted, multiple) if graphs else 0
     mlp_kernel = draft.mlp_kernel
     if settings.mlp_kernel != "layers" and draft.lora_kernel.value != "fused":  # FSDP took over after the memory step
         mlp_kernel = Decision("layers", "the final layout has no fused LoRA layers")

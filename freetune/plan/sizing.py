@@ -200,6 +200,12 @@ def graph_tokens(micro_batch: int, max_length: int) -> int:
     return max(256, -(-eighth // 64) * 64)
 
 
+def graph_buffer_tokens(micro_batch: int, max_length: int, multiple: int) -> int:
+    """The largest padded batch the CUDA graphs' buffers hold: micro_batch rows of max_length tokens, rounded up to the
+    multiple the batches are padded to."""
+    return -(-micro_batch * max_length // multiple) * multiple
+
+
 def choose_embeddings(shape: ModelShape, settings: MemorySettings, layout: str) -> Decision:
     """Keep the input embedding table in host RAM? On one GPU where every layer is checkpointed (memory is tight),
     unless the lm_head shares the table (freetune.speed.host_embeddings)."""

@@ -76,10 +76,12 @@ def callback(plan):
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             import torch
 
+            from freetune.plan.sizing import graph_buffer_tokens
+
             multiple = plan.kernels.cuda_graph_tokens
             # sized by the plan for the data's longest row; a plan without it (built by hand): for rows of max_length
             max_tokens = (plan.kernels.cuda_graph_max_tokens
-                          or -(-plan.batch.micro_batch * plan.batch.max_length // multiple) * multiple)
+                          or graph_buffer_tokens(plan.batch.micro_batch, plan.batch.max_length, multiple))
             self.graphed = GraphedLayers(model, max_tokens=max_tokens, max_row=plan.batch.max_length,
                                          max_rows=most_rows(plan.batch.micro_batch, multiple, plan.batch.max_length),
                                          fixed_pairs=True)
