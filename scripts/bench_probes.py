@@ -129,7 +129,7 @@ def profiled_step_summary(prof, wall: float) -> dict:
 
     events = prof.events()
     kernels = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")]
-    kernels = [e for e in kernels if not is_annotation(e.name)]
+    kernels = [e for e in kernels if not is_annotation(e)]
     busy = sum(getattr(e, "device_time", 0) or 0 for e in kernels) / 1e6
     aten = sum(1 for e in events if e.name.startswith("aten::"))
     return {"wall_s": round(wall, 4), "gpu_busy_s": round(busy, 4),

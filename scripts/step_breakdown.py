@@ -24,6 +24,8 @@ LOSS = re.compile(r"softmax|cross_entropy|nll_loss|logsumexp|cross-entropy", re.
 OPTIMIZER = re.compile(r"optimizer|adam|multi_tensor_apply|_foreach_|opt_step", re.I)
 ELEMENTWISE = re.compile(r"elementwise|vectorized|unrolled|copy|cast|fill|memset|memcpy|reduce|index|cat|where",
                          re.I)
+TOP_KERNELS = 6  # kernels listed per category in the report and the log
+
 # An op that runs the forward: met before any backward node when walking up from a kernel's op, inside the backward,
 # it is checkpointing's recompute. Not aten::matmul or aten::mm: custom backward functions (freetune's fused LoRA,
 # Unsloth's) multiply with `@`.
@@ -34,9 +36,13 @@ FORWARD_OPS = ("aten::linear", "aten::embedding", "aten::scaled_dot_product_atte
 CHECKPOINT_NODES = re.compile(r"checkpoint|offloaded", re.I)
 
 
-def is_annotation(name: str) -> bool:
-    """A range on the GPU's timeline that is no kernel (inductor's "## Call CompiledFxGraph ... ##")."""
-    return name.startswith("## ")
+def is_annotation(event) -> bool:
+    """A range on the GPU's timeline that is no kernel: inductor's "## Call CompiledFxGraph ... ##", and the ranges
+    record_function marks there (torch.optim's "Optimizer.step#AdamW.step", the profiler's "ProfilerStep#14"). The
+    optimizer's range spans its launches: with bitsandbytes' 8-bit AdamW, one kernel per weight, that is ~20 ms of a
+    GPU waiting for the host, which counted as 20 ms of optimizer kernels before (no kernel name has a '#')."""
+    name = event if isinstance(event, str) else event.name
+    return name.startswith("## ") or "#" in name or bool(getattr(event, "is_user_annotation", False))
 
 
 def chain_of(event) -> list:
@@ -91,10 +97,19 @@ def category_of(kernel: str, names: list[str], shapes: list, lora_rank: int, voc
 def breakdown(prof, lora_rank: int, vocab: int) -> dict:
     """{"by_category": {what: ms}, "by_phase": {phase: ms}, "by_phase_category": {phase: {what: ms}}, "total_ms",
     "unattributed_ms"} over a torch.profiler profile's GPU kernels."""
-    by_cat, by_phase, both = {}, {}, {}
+    by_cat, by_phase, both, by_kernel = {}, {}, {}, {}
     seen_us = 0.0
+
+    def count(what: str, phase: str, kernel: str, us: float) -> None:
+        by_cat[what] = by_cat.get(what, 0.0) + us
+        by_phase[phase] = by_phase.get(phase, 0.0) + us
+        both.setdefault(phase, {})[what] = both.setdefault(phase, {}).get(what, 0.0) + us
+        calls_us = by_kernel.setdefault(what, {}).setdefault(kernel, [0, 0.0])
+        calls_us[0] += 1
+        calls_us[1] += us
+
     for event in prof.events():
-        kernels = getattr(event, "kernels", None) or []
+        kernels = [k for k in getattr(event, "kernels", None) or [] if not is_annotation(k.name)]
         if not kernels:
             continue
         chain = chain_of(event)
@@ -104,16 +119,14 @@ def breakdown(prof, lora_rank: int, vocab: int) -> dict:
         for kernel in kernels:
             us = float(getattr(kernel, "duration", 0) or 0)
             what = "optimizer" if phase == "optimizer" else category_of(kernel.name, names, shapes, lora_rank, vocab)
-            by_cat[what] = by_cat.get(what, 0.0) + us
-            by_phase[phase] = by_phase.get(phase, 0.0) + us
-            both.setdefault(phase, {})[what] = both.setdefault(phase, {}).get(what, 0.0) + us
+            count(what, phase, kernel.name, us)
             seen_us += us
     # Every kernel on the GPU's timeline (not the ranges inductor annotates there, "## Call CompiledFxGraph ...": they
     # span kernels already counted): those no op claimed (a library that launches through ctypes, as bitsandbytes'
     # dequantisation does under Unsloth) are sorted by their name alone, phase "unattributed".
     on_gpu = {}
     for e in prof.events():
-        if str(getattr(e, "device_type", "")).endswith("CUDA") and not is_annotation(e.name):
+        if str(getattr(e, "device_type", "")).endswith("CUDA") and not is_annotation(e):
             on_gpu[e.name] = on_gpu.get(e.name, 0.0) + float(getattr(e, "device_time", 0) or 0)
     claimed = {}
     for event in prof.events():
@@ -122,15 +135,16 @@ def breakdown(prof, lora_rank: int, vocab: int) -> dict:
     for name, us in on_gpu.items():
         rest = us - claimed.get(name, 0.0)
         if rest > 1.0:
-            what = category_of(name, [], [], lora_rank, vocab)
-            by_cat[what] = by_cat.get(what, 0.0) + rest
-            by_phase["unattributed"] = by_phase.get("unattributed", 0.0) + rest
-            both.setdefault("unattributed", {})[what] = both.setdefault("unattributed", {}).get(what, 0.0) + rest
+            count(category_of(name, [], [], lora_rank, vocab), "unattributed", name, rest)
     device_us = sum(on_gpu.values())
     ms = lambda d: {k: round(v / 1000, 2) for k, v in sorted(d.items(), key=lambda kv: -kv[1])}  # noqa: E731
+    # per category its kernels with the most time: [name (cut to 90 characters), calls, ms]
+    top = {what: [[name[:90], calls, round(us / 1000, 2)]
+                  for name, (calls, us) in sorted(named.items(), key=lambda kv: -kv[1][1])[:TOP_KERNELS]]
+           for what, named in by_kernel.items()}
     return {"total_ms": round(device_us / 1000, 2), "attributed_ms": round(seen_us / 1000, 2),
             "by_category": ms(by_cat), "by_phase": ms(by_phase),
-            "by_phase_category": {p: ms(d) for p, d in both.items()}}
+            "by_phase_category": {p: ms(d) for p, d in both.items()}, "top_kernels": top}
 
 
 def text(result: dict) -> str:
@@ -139,4 +153,8 @@ def text(result: dict) -> str:
              f"to an op, the rest by kernel name)", "  by what:"]
     lines += [f"    {k:38s} {v:9.2f} ms  {v / total:6.1%}" for k, v in result["by_category"].items()]
     lines += ["  by phase:"] + [f"    {k:38s} {v:9.2f} ms  {v / total:6.1%}" for k, v in result["by_phase"].items()]
+    lines += ["  the kernels with the most time, per category (calls, ms):"]
+    for what in result["by_category"]:
+        lines += [f"    {what}:"] + [f"      {calls:5d} {ms:9.2f}  {name}"
+                                     for name, calls, ms in result.get("top_kernels", {}).get(what, [])]
     return "\n".join(lines)

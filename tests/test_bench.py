@@ -550,6 +550,40 @@ def test_the_step_breakdown_sorts_kernels_by_what_they_do_and_when():
     assert sb.phase_of(["aten::_foreach_add_", "Optimizer.step#AdamW.step"]) == "optimizer"
 
 
+def test_the_step_breakdown_counts_kernels_not_the_ranges_marked_on_the_gpus_timeline():
+    """An optimizer's record_function range on the GPU's timeline ("Optimizer.step#AdamW.step") spans its launches:
+    with 8-bit AdamW's one kernel per weight it was ~20 ms of a GPU waiting for the host, counted as optimizer
+    kernels. Only kernels count, in the total and the busy time; each category lists its kernels with the most time."""
+    from types import SimpleNamespace as Event
+
+    from scripts import bench_probes
+    from scripts import step_breakdown as sb
+
+    def kernel(name, us):
+        return Event(name=name, duration=us, device_type="DeviceType.CUDA", device_time=us, kernels=[],
+                     is_user_annotation=False)
+
+    matmul, adam = kernel("nvjet_sm90_hsh_256x128", 300.0), kernel("kernel_optimizer_8bit_blockwise", 10.0)
+    step_range = Event(name="Optimizer.step#AdamW.step", duration=20_000.0, device_type="DeviceType.CUDA",
+                       device_time=20_000.0, kernels=[], is_user_annotation=True)
+    linear = Event(name="aten::linear", kernels=[matmul], cpu_parent=None, input_shapes=[[8192, 2048], [2048, 2048]],
+                   device_type="DeviceType.CPU")
+    update = Event(name="bitsandbytes::optimizer_update_8bit_blockwise", kernels=[adam], input_shapes=[],
+                   cpu_parent=Event(name="Optimizer.step#AdamW.step", cpu_parent=None), device_type="DeviceType.CPU")
+    # the profiler hangs the GPU range on the CPU range that opened it, as if it were one of its kernels
+    opened = Event(name="Optimizer.step#AdamW.step", kernels=[step_range], cpu_parent=None, input_shapes=[],
+                   device_type="DeviceType.CPU")
+    prof = Event(events=lambda: [linear, update, opened, matmul, adam, step_range])
+    result = sb.breakdown(prof, 16, 32000)
+    assert result["total_ms"] == result["attributed_ms"] == 0.31
+    assert result["by_category"] == {"matmul (base weights)": 0.3, "optimizer": 0.01}
+    assert result["top_kernels"]["matmul (base weights)"] == [["nvjet_sm90_hsh_256x128", 1, 0.3]]
+    assert "nvjet_sm90_hsh_256x128" in sb.text(result)
+    assert bench_probes.profiled_step_summary(prof, 0.5)["gpu_busy_s"] == 0.0003  # 310 us, rounded
+    assert sb.is_annotation("## Call CompiledFxGraph fx123 ##") and sb.is_annotation("ProfilerStep#14")
+    assert not sb.is_annotation("triton_poi_fused_add_mul_0")
+
+
 def test_every_job_plans_for_its_rows_longest_row_as_the_recipes_replan_does(tmp_path, monkeypatch):
     """Issue 49: t4_8b's synthetic rows of 150-500 tokens are planned for their longest row, as home_assistant's
     replan plans for the audit's (the memory estimate and the CUDA graphs' buffers follow it), not for max_length;
