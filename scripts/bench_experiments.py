@@ -22,8 +22,8 @@ from scripts.bench_prepare import ARCHITECTURE
 # one process, so a variant made only of them runs under DDP only (compared with freetune's own 1-GPU run).
 # (fp32_absmax is a plan setting under an experiment's name: job_plan turns it into keep_8bit_absmax=False.)
 EXPERIMENTS = ("liger", "cpp_wrapper", "combo_kernels", "dense_head", "no_packed_check", "pin_cores", "byte_masks",
-               "fp32_absmax", "per_layer_casts", "copied_heads", "trl_empty_cache", "no_triton", "inline_dgrad",
-               "skip_guards", "no_asserts", "gc_unfrozen", "lora_dropout", "full_recompute",
+               "fp32_absmax", "per_layer_casts", "copied_heads", "kv_head_calls", "trl_empty_cache", "no_triton",
+               "inline_dgrad", "skip_guards", "no_asserts", "gc_unfrozen", "lora_dropout", "full_recompute",
                "ddp_split", "static_graph", "bucket_view", "bucket_mb", "flat_sync")
 
 DDP_EXPERIMENTS = ("ddp_split", "static_graph", "bucket_view", "bucket_mb", "flat_sync")
@@ -147,6 +147,10 @@ PATCHES: dict[str, tuple[Patch, ...]] = {
     "per_layer_casts": (Patch("freetune.speed.lora_kernel", "cast_adapters_once_per_forward",
                               _set(lambda model, **kwargs: None)),),
     "copied_heads": (Patch("freetune.speed.attention", "POLICY_BACKENDS", _turing_heads_copied),),
+    # Issue 49: the memory-efficient attention a kv head at a time even where the plan put every head in one call
+    # (Kernels.attention_whole_heads), as before
+    "kv_head_calls": (Patch("freetune.speed.attention", "_varlen_call",
+                            lambda old: lambda *args, **kwargs: old(*args[:7])),),
     # The two host savings of the ninth session, undone likewise: TRL's offloading context empties the CUDA cache
     # every micro-batch again; the custom ops' eager dequantisation and MLP helpers without Triton kernels.
     "trl_empty_cache": (Patch("freetune.reach.trl", "keep_cuda_cache_between_steps", _set(lambda trainer: False)),),

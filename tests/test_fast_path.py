@@ -367,18 +367,24 @@ def _padding_free_vs_alone(model_dir, device: str, backend: str):
     return packed, torch.cat(alone), packed_grads, [p.grad for p in lora]
 
 
-@pytest.mark.parametrize("where", ["cpu", "cuda:flash", "cuda:efficient", "cuda:efficient_copied"])
-def test_each_row_of_a_padding_free_batch_gets_its_own_logits_and_gradients(tiny_model_dir, where):
+@pytest.mark.parametrize("where", ["cpu", "cuda:flash", "cuda:efficient", "cuda:efficient_copied",
+                                   "cuda:efficient+whole"])
+def test_each_row_of_a_padding_free_batch_gets_its_own_logits_and_gradients(tiny_model_dir, where, monkeypatch):
     """Rows concatenated into one padding-free batch (position ids restarting, cu_seq_lens) give every row the logits
     and the LoRA gradients it gets on its own: no token attends across rows, forward or backward. On a CPU through
     sdpa and transformers' block-diagonal mask; on a GPU through each variable-length kernel (flash: sm80+;
-    efficient: the one a T4 runs, in both its layouts), run on the GPU machine with
-    `pytest tests/test_fast_path.py -k own_logits`."""
+    efficient: the one a T4 runs, in its two layouts and with every head in one call, as the plan asks where the
+    copies fit), run on the GPU machine with `pytest tests/test_fast_path.py -k own_logits`."""
     import torch
+
+    from freetune.speed import attention
 
     device, _, backend = where.partition(":")
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("the variable-length kernels need a GPU; the CPU case covers the packing itself")
+    backend, whole, _ = backend.partition("+whole")
+    if whole:
+        monkeypatch.setitem(attention._WHOLE_HEADS, torch.cuda.current_device(), True)
     packed, alone, packed_grads, alone_grads = _padding_free_vs_alone(tiny_model_dir, device, backend)
     tol = 1e-4 if device == "cpu" else 3e-2
     torch.testing.assert_close(packed, alone, rtol=tol, atol=tol)
@@ -386,8 +392,8 @@ def test_each_row_of_a_padding_free_batch_gets_its_own_logits_and_gradients(tiny
         assert (got - want).norm() <= tol * max(want.norm(), 1e-3), ((got - want).norm(), want.norm())
 
 
-@pytest.mark.parametrize("strided", [True, False])
-def test_the_memory_efficient_ops_forward_backward_and_autograd_run_through_on_meta_tensors(strided):
+@pytest.mark.parametrize("layout", ["strided", "copied", "whole"])
+def test_the_memory_efficient_ops_forward_backward_and_autograd_run_through_on_meta_tensors(layout):
     """freetune.speed.attention_efficient's custom ops, their grouped-query parts and their autograd, run end to end
     on meta tensors (the aten kernels' shape functions: no GPU needed): every output and gradient has its input's
     shape, the logsumexp one per q head and row. The numbers are the GPU tests' (the kernel needs a GPU)."""
@@ -399,9 +405,9 @@ def test_the_memory_efficient_ops_forward_backward_and_autograd_run_through_on_m
     q = torch.empty(16, 8, 64, device="meta", dtype=torch.float16, requires_grad=True)
     k, v = (torch.empty(16, 2, 64, device="meta", dtype=torch.float16, requires_grad=True) for _ in range(2))
     cu = torch.tensor([0, 8, 16], dtype=torch.int32, device="meta")
-    out, lse = torch.ops.freetune.varlen_efficient(q, k, v, cu, 8, None, strided)
+    out, lse = torch.ops.freetune.varlen_efficient(q, k, v, cu, 8, None, layout)
     assert out.shape == q.shape and lse.shape[1] == q.shape[1]
-    grads = torch.ops.freetune.varlen_efficient_backward(out, q, k, v, out, lse, cu, 8, None, strided)
+    grads = torch.ops.freetune.varlen_efficient_backward(out, q, k, v, out, lse, cu, 8, None, layout)
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
-    op(q, k, v, cu, 8, None, strided).sum().backward()
+    op(q, k, v, cu, 8, None, layout).sum().backward()
     assert (q.grad.shape, k.grad.shape, v.grad.shape) == (q.shape, k.shape, v.shape)

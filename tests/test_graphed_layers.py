@@ -258,6 +258,48 @@ def test_the_plan_replays_the_layers_as_graphs_where_every_layer_is_checkpointed
     assert gpu_plan(4, memory_budget_gib=4, optimizer="adamw_torch_fused").memory.optimizer == "adamw_torch_fused"
 
 
+def test_the_t4_attention_takes_every_head_in_one_call_where_the_plan_has_room_for_the_copies(monkeypatch):
+    """Issue 49: on a T4 (the memory-efficient kernel) the plan puts a layer's grouped-query heads through one kernel
+    call where the batch it chose still fits with k and v copied for every q head (their gradients and the kernel's
+    fp32 dq accumulator for all heads too), and counts them in the estimate; where they would not fit, a kv head at a
+    time with the same batch. FlashAttention (sm80+) takes grouped heads itself: nothing to decide."""
+    from dataclasses import replace
+
+    from freetune.plan import GPU, Hardware, make_plan, memory
+    from freetune.plan.decisions import resolve_shape
+    from freetune.speed import attention
+
+    monkeypatch.setattr(attention, "varlen_works", lambda device, policy="ampere": (True, "probed by the test"))
+    monkeypatch.setattr(attention, "varlen_backend", lambda device: "efficient")
+    shape = resolve_shape("TinyLlama/TinyLlama-1.1B-Chat-v1.0")  # 32 q heads, 4 kv heads of 64
+    # k and v for 32 heads (2 x 2 bytes), 3/4 more of their gradients (2 x 2) and of the fp32 dq accumulator (4)
+    assert memory.whole_heads_attention_bytes(shape, "float16") == 2048 * (4 + 8 * 0.75) == 20480
+    assert memory.whole_heads_attention_bytes(replace(shape, kv_heads=shape.heads), "float16") == 0
+
+    roomy = gpu_plan(4, memory_budget_gib=4, lora_dropout=0.0)
+    assert roomy.kernels.attention_whole_heads and roomy.batch.micro_batch == 8
+    assert "32 q heads in one call" in roomy.reasons["attention"]
+    assert dict((c, v) for c, v, _ in roomy.rows())["attention"] == "freetune_varlen, heads in one call"
+    settings = {k: v for k, v in roomy.memory.estimate.settings.items() if k != "model"}
+    assert settings["attention_whole_heads"]
+    without = memory.estimate(shape, **{**settings, "attention_whole_heads": False})
+    assert (roomy.memory.estimate.peak_allocated_gib - without.peak_allocated_gib) * 2**30 == pytest.approx(
+        8 * 1024 * 20480)
+
+    tight = gpu_plan(4, memory_budget_gib=without.total_gib + 0.05, lora_dropout=0.0)
+    assert not tight.kernels.attention_whole_heads and tight.batch.micro_batch == 8
+    assert "a kv head at a time" in tight.reasons["attention"]
+    assert tight.memory.estimate.total_gib == pytest.approx(without.total_gib)
+    assert not tight.memory.estimate.settings["attention_whole_heads"]
+
+    monkeypatch.setattr(attention, "varlen_backend", lambda device: "flash")
+    hardware = Hardware(gpus=[GPU(name="NVIDIA L4", capability=(8, 9), memory_gib=4)], torch="2.13.0", cuda="12.8",
+                        arch_list=["sm_89"])
+    flash = make_plan(hardware, model_shape="TinyLlama/TinyLlama-1.1B-Chat-v1.0", grad_accum=8, lora_dropout=0.0)
+    assert flash.batch.batching == "padding_free" and not flash.kernels.attention_whole_heads
+    assert "one call" not in flash.reasons["attention"]
+
+
 def test_the_graphs_multiple_is_an_eighth_of_the_largest_batch_in_steps_of_64():
     from freetune.plan.sizing import graph_tokens
 

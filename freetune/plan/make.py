@@ -18,9 +18,10 @@ from freetune.plan.hardware import Hardware, check_gpus_supported, disk_warnings
 from freetune.plan.memory import MemoryEstimate, fit, keeps_8bit_absmax
 from freetune.plan.record import Plan
 from freetune.plan.shapes import ModelShape
-from freetune.plan.sizing import (GRAPHS_LOSS_TILE, GRAPHS_OPTIMIZER, MemorySettings, choose_checkpoint_every,
-                                  choose_cuda_graphs, choose_embeddings, choose_loss_tile, choose_mlp_kernel,
-                                  choose_offload, choose_optimizer, graph_buffer_tokens, graph_tokens, sharded)
+from freetune.plan.sizing import (GRAPHS_LOSS_TILE, GRAPHS_OPTIMIZER, MemorySettings, choose_attention_heads,
+                                  choose_checkpoint_every, choose_cuda_graphs, choose_embeddings, choose_loss_tile,
+                                  choose_mlp_kernel, choose_offload, choose_optimizer, graph_buffer_tokens,
+                                  graph_tokens, sharded)
 
 # The shortest rows a plan lowers max_length to before it calls a model too big (memory.fit's min_length).
 SHORTEST_ROWS = 256
@@ -68,6 +69,7 @@ class _Draft:
     loss_tile: Decision = None
     embeddings: Decision = None
     cuda_graphs: Decision = None
+    attention_heads: Decision = None  # the memory-efficient attention's grouped-query heads in one call
     batch: Decision = None            # the micro-batch
     fitted_length: int = 0            # the row length the batch fits at (the sized one, or lowered to fit)
     memory: Decision = None
@@ -327,7 +329,16 @@ def _batching_step(draft: _Draft, sizing: _Sizing) -> None:
     # Processes, not GPUs: a CPU job under torchrun has several ranks too.
     draft.sampler = choose_sampler(draft.batching.value, max(draft.world_size, draft.hardware.torchrun_world_size or 1))
     if draft.batching.value == "padding_free":
-        draft.attention = varlen_attention(probe_varlen(draft.policy.value))
+        probe = probe_varlen(draft.policy.value)
+        draft.attention = varlen_attention(probe)
+        shape = sizing.shape
+        if (probe is not None and probe.efficient and shape is not None and shape.kv_heads < shape.heads
+                and draft.settings is not None and draft.memory is not None and draft.memory.value.fits):
+            draft.attention_heads, estimate = choose_attention_heads(
+                shape, sizing.budget.value, draft.fitted_length, draft.batch.value, draft.settings)
+            if draft.attention_heads.value:  # the estimate the plan shows counts the copies
+                draft.settings = replace(draft.settings, attention_whole_heads=True)
+                draft.memory = Decision(estimate, f"{sizing.budget.why}; {estimate.breakdown()}")
     if draft.world_size > 1:
         grad_accum = max(1, sizing.rows_per_gpu_step // draft.batch.value)
         draft.batch = Decision(draft.batch.value, draft.batch.why + (
@@ -368,9 +379,13 @@ def _build(draft: _Draft, sizing: _Sizing, asked: dict) -> Plan:
              "cuda_graphs": cuda_graphs, "batch": draft.batch, "memory": draft.memory, "batching": draft.batching,
              "sampler": draft.sampler}
     reasons.update({key: decision.why for key, decision in named.items() if decision is not None})
+    whole_heads = bool(draft.attention_heads and draft.attention_heads.value)
+    if draft.attention_heads is not None:
+        reasons["attention"] += f"; {draft.attention_heads.why}"
     return Plan.build(
         device=draft.device, compute_dtype=choose_load_dtype(policy).value,
         mixed_precision=choose_mixed_precision(policy).value, attn_implementation=draft.attention.value,
+        attention_whole_heads=whole_heads,
         reasons=reasons, layout=draft.layout.value, world_size=draft.world_size, micro_batch=draft.batch.value,
         grad_accum=max(1, sizing.rows_per_gpu_step // draft.batch.value), max_length=length.value,
         lora_dtype=choose_lora_dtype(policy).value, policy=policy, batching=draft.batching.value,

@@ -216,6 +216,20 @@ def activation_bytes_per_token(shape: ModelShape, *, lora_rank: int, lora_target
     return resident, per_layer + backward
 
 
+def whole_heads_attention_bytes(shape: ModelShape, compute_dtype: str = "bfloat16") -> float:
+    """Bytes per token a layer's backward holds on top when the memory-efficient attention takes its grouped-query heads
+    in one call (freetune.speed.attention_efficient's "whole" layout) instead of a kv head at a time: k and v repeated
+    for every q head, their gradients per q head, and the kernel's fp32 accumulator of dq for all heads, where a part at
+    a time holds 1 / kv_heads of the last two (its k and v are stride-0 views). Counted whole, on top of the layer's
+    other backward tensors: on TinyLlama's long rows the measured peak rose 30 MiB of the 160 counted
+    (docs/performance.md). 0 without grouped-query heads (one call either way)."""
+    if shape.kv_heads >= shape.heads:
+        return 0.0
+    width = 2 if _is_16bit(compute_dtype) else 4
+    per_part_share = 1 - 1 / shape.kv_heads
+    return shape.q_dim * (2 * width + (2 * width + 4) * per_part_share)
+
+
 def loss_head_bytes(shape: ModelShape, tokens: int, *, compute_dtype: str = "bfloat16",
                     loss_head: str = "chunked", tile_tokens: int = 0) -> float:
     """Peak bytes of the lm_head projection and the cross-entropy for `tokens` tokens (tile_tokens: tokens per tile of
@@ -252,7 +266,8 @@ def estimate(shape: ModelShape, *, max_length: int, micro_batch: int, lora_rank:
              shards: int = 1, lora_kernel: str = "peft", frozen_dtype: str = "float32",
              offload_activations: bool = False, compiled: bool = False, checkpoint_every: int = 1,
              mlp_kernel: str = "layers", loss_tile_tokens: int = 0,
-             embeddings_on_host: bool = False, cuda_graphs: bool = False) -> MemoryEstimate:
+             embeddings_on_host: bool = False, cuda_graphs: bool = False,
+             attention_whole_heads: bool = False) -> MemoryEstimate:
     """Peak memory of one training step at micro_batch rows of max_length tokens (every row padded to it: the
     worst batch of a run decides whether it fits).
 
@@ -266,6 +281,7 @@ def estimate(shape: ModelShape, *, max_length: int, micro_batch: int, lora_rank:
     "traced": freetune.speed.mlp. embeddings_on_host: an untied input embedding table in host RAM
     (freetune.speed.host_embeddings), off the GPU. cuda_graphs: freetune.speed.cuda_graphs' three buffers of the largest
     batch's hidden states (two in turn for the layers, one for the gradient), held for the whole run.
+    attention_whole_heads: the memory-efficient attention's heads in one call (whole_heads_attention_bytes).
     """
     tokens = micro_batch * max_length
     # Fused layers that are not compiled keep a double-quantised weight's absmax values in fp32 instead
@@ -300,6 +316,8 @@ def estimate(shape: ModelShape, *, max_length: int, micro_batch: int, lora_rank:
     head = loss_head_bytes(shape, tokens, compute_dtype=compute_dtype, loss_head=loss_head,
                            tile_tokens=loss_tile_tokens)
     layer_backward = tokens * transient + mlp_chunk_bytes(shape, compute_dtype, mlp_kernel)
+    if attention_whole_heads:
+        layer_backward += tokens * whole_heads_attention_bytes(shape, compute_dtype)
     activations = tokens * resident + max(0.0, layer_backward - head)  # the head's part is counted apart
     if cuda_graphs:
         activations += 3 * tokens * shape.hidden * (2 if _is_16bit(compute_dtype) else 4)
@@ -312,7 +330,7 @@ def estimate(shape: ModelShape, *, max_length: int, micro_batch: int, lora_rank:
                     shards=shards, lora_kernel=lora_kernel, frozen_dtype=frozen_dtype,
                     offload_activations=offload_activations, compiled=compiled, checkpoint_every=checkpoint_every,
                     mlp_kernel=mlp_kernel, loss_tile_tokens=loss_tile_tokens, embeddings_on_host=embeddings_on_host,
-                    cuda_graphs=cuda_graphs)
+                    cuda_graphs=cuda_graphs, attention_whole_heads=attention_whole_heads)
     return MemoryEstimate(
         weights_4bit_gib=weights_4bit / GIB, other_weights_gib=other_weights / GIB, lora_gib=lora / GIB,
         optimizer_gib=optimizer_state / GIB, activations_gib=activations / GIB, loss_head_gib=head / GIB,

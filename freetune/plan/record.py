@@ -60,6 +60,9 @@ class Kernels:
     """How the forward and backward run."""
 
     attention: str = "sdpa"         # "sdpa" | "eager" | "flash_attention_2" | "freetune_varlen" (freetune.speed.attention)
+    # freetune_varlen through the memory-efficient kernel (a T4's): a layer's grouped-query heads in one kernel call, k
+    # and v copied for them, where the plan's memory allows (freetune.speed.attention_efficient's "whole" layout)
+    attention_whole_heads: bool = False
     lora: str = "peft"              # "fused" (freetune.speed.lora_kernel: one autograd node per 4-bit LoRA layer) | "peft"
     # "traced" (freetune.speed.mlp: the SwiGLU MLP as one autograd node, gate and up recomputed in its backward) |
     # "chunked" (the same as one op over token chunks) | "layers" (each projection on its own)
@@ -107,7 +110,8 @@ FLAT = {
     "sampler": ("layout", "sampler"),
     "micro_batch": ("batch", "micro_batch"), "grad_accum": ("batch", "grad_accum"),
     "max_length": ("batch", "max_length"), "batching": ("batch", "batching"),
-    "attn_implementation": ("kernels", "attention"), "lora_kernel": ("kernels", "lora"),
+    "attn_implementation": ("kernels", "attention"), "attention_whole_heads": ("kernels", "attention_whole_heads"),
+    "lora_kernel": ("kernels", "lora"),
     "mlp_kernel": ("kernels", "mlp"), "compile": ("kernels", "compile"),
     "cuda_graph_tokens": ("kernels", "cuda_graph_tokens"),
     "cuda_graph_max_tokens": ("kernels", "cuda_graph_max_tokens"), "loss_tile_tokens": ("kernels", "loss_tile_tokens"),
@@ -197,7 +201,8 @@ class Plan:
             ("base weights", f"4-bit NF4, rest {p.frozen_dtype}",
              "; ".join(filter(None, (r.get("frozen_dtype", ""), r.get("load_dtype", ""))))),
             ("LoRA weights", p.lora_dtype, r.get("lora_dtype", "")),
-            ("attention", k.attention, r.get("attention", "")),
+            ("attention", k.attention + (", heads in one call" if k.attention_whole_heads else ""),
+             r.get("attention", "")),
             ("batch", batch, r.get("batch", "")),
             ("batching", b.batching, r.get("batching", "")),
             ("sampler", lay.sampler, r.get("sampler", "")),

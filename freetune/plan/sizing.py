@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from freetune.plan.decisions import Decision, graphs_why_not, mlp_why_not
-from freetune.plan.memory import TILE_TOKENS, MemoryEstimate, embedding_bytes, estimate
+from freetune.plan.memory import (TILE_TOKENS, MemoryEstimate, embedding_bytes, estimate,
+                                  whole_heads_attention_bytes)
 from freetune.plan.shapes import ModelShape
 
 
@@ -34,6 +35,7 @@ class MemorySettings:
     embeddings_on_host: bool = False
     cuda_graphs: bool = False
     shards: int = 1
+    attention_whole_heads: bool = False
 
     def estimate(self, shape: ModelShape, max_length: int, micro_batch: int, budget_gib: float | None = None,
                  **changed) -> MemoryEstimate:
@@ -232,3 +234,19 @@ SHARDED = dict(offload_activations=False,  # FSDP's own path; not combined with 
 def sharded(settings: MemorySettings, world: int) -> MemorySettings:
     """The settings under FSDP over `world` GPUs."""
     return replace(settings, shards=max(world, 1), **SHARDED)
+
+
+def choose_attention_heads(shape: ModelShape, budget_gib: float, length: int, micro_batch: int,
+                           settings: MemorySettings) -> tuple[Decision, MemoryEstimate]:
+    """The memory-efficient attention (a T4's variable-length kernel) with a layer's grouped-query heads in one call
+    (freetune.speed.attention_efficient's "whole" layout) where the batch the plan chose still fits with the copies
+    that takes; a kv head at a time otherwise. The batch is never made smaller for it. Returns the decision and the
+    estimate it was weighed with."""
+    whole = settings.estimate(shape, length, micro_batch, budget_gib, attention_whole_heads=True)
+    extra_mib = micro_batch * length * whole_heads_attention_bytes(shape, settings.compute_dtype) / 2**20
+    if whole.fits:
+        return Decision(True, f"{shape.heads} q heads in one call of the kernel, k and v copied for them "
+                              f"(~{extra_mib:.0f} MiB more in a layer's backward, ~{whole.total_gib:.2f} of "
+                              f"{budget_gib:.2f} GiB): fewer, fuller launches than a kv head at a time"), whole
+    return Decision(False, f"a kv head at a time: all {shape.heads} q heads in one call would need "
+                           f"~{extra_mib:.0f} MiB more (~{whole.total_gib:.2f} of {budget_gib:.2f} GiB)"), whole

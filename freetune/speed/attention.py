@@ -52,6 +52,9 @@ VARLEN_ATTENTION = "freetune_varlen"  # the name registered with transformers' A
 # call of every step.
 _CHOSEN: dict = {}   # GPU index -> (backend or "", why): set by varlen_works, eagerly (plan, train)
 _VARLEN: dict = {}   # "fn": torch.nn.attention.varlen.varlen_attn or None, "params": its keyword names
+# GPU index -> True where the plan puts a layer's grouped-query heads through the memory-efficient kernel in one call
+# (Kernels.attention_whole_heads, freetune.speed.attention_efficient's "whole" layout); set with the probe (_probe_now)
+_WHOLE_HEADS: dict = {}
 
 
 def _varlen_fn():
@@ -77,6 +80,8 @@ def _varlen_fn():
 #                   handled a kv head at a time (freetune.speed.attention_efficient);
 #   "efficient_copied"  the same kernel, with the heads copied into parts (freetune.speed.attention_efficient):
 #                       the fallback.
+# Either efficient backend takes every head in one call instead where the plan says the copies fit
+# (Kernels.attention_whole_heads); the probe checks that layout too.
 EFFICIENT_BACKENDS = ("efficient", "efficient_copied")  # the memory-efficient kernel's two layouts
 VARLEN_BACKENDS = ("flash", "torch_varlen", *EFFICIENT_BACKENDS)
 # What each precision policy may use: a T4 (Turing, sm75) has no FlashAttention-2 kernel in PyTorch, and the T4
@@ -87,14 +92,14 @@ VARLEN_KERNEL_NAMES = {"flash": "FlashAttention-2", "torch_varlen": "varlen_attn
                        "efficient_copied": "memory-efficient (sm50+, a T4 included; heads copied per part)"}
 
 
-def _varlen_call(q, k, v, cu_seq, max_len: int, scale, backend: str = "flash"):
-    """Causal variable-length attention on (tokens, heads, dim) tensors, rows given by cu_seq (int32)."""
-    import torch
-
+def _varlen_call(q, k, v, cu_seq, max_len: int, scale, backend: str = "flash", whole_heads: bool = False):
+    """Causal variable-length attention on (tokens, heads, dim) tensors, rows given by cu_seq (int32). whole_heads:
+    the memory-efficient backends take every head in one call (k and v copied), not a part at a time."""
     if backend == "flash":
         return flash_attention_forward(q, k, v, cu_seq, cu_seq, max_len, max_len, 0.0, True, False, scale=scale)[0]
     if backend in EFFICIENT_BACKENDS:
-        return efficient_op()(q, k, v, cu_seq, max_len, scale, backend == "efficient")
+        layout = "whole" if whole_heads else "strided" if backend == "efficient" else "copied"
+        return efficient_op()(q, k, v, cu_seq, max_len, scale, layout)
     fn, params = _VARLEN["fn"], _VARLEN["params"]  # set by the probe, which ran before any call of this backend
     kwargs = {}
     if "is_causal" in params:       # torch 2.10/2.11
@@ -128,7 +133,8 @@ def varlen_attention_forward(module, query, key, value, attention_mask, dropout:
         q = query[0].transpose(0, 1).to(dtype)  # (batch 1, heads, tokens, dim) -> (tokens, heads, dim)
         k = key[0].transpose(0, 1).to(dtype)
         v = value[0].transpose(0, 1).to(dtype)
-        out = _varlen_call(q, k, v, cu.to(device=q.device, dtype=torch.int32), int(max_len), scaling, backend)
+        out = _varlen_call(q, k, v, cu.to(device=q.device, dtype=torch.int32), int(max_len), scaling, backend,
+                           _WHOLE_HEADS.get(query.device.index or 0, False))
         return out.unsqueeze(0), None  # (1, tokens, heads, dim), as sdpa_attention_forward returns
     if attention_mask is None and query.shape[0] == 1 and query.shape[2] > 1:
         attention_mask = rows_mask(kwargs.get("position_ids"), query.shape[2], query.device)  # varlen_mask skipped it
@@ -273,11 +279,14 @@ def _check_against_sdpa(device_index: int, backend: str) -> str:
         k = torch.randn(1, kv_heads, total, dim, device=device, dtype=dtype, generator=gen).requires_grad_()
         v = torch.randn(1, kv_heads, total, dim, device=device, dtype=dtype, generator=gen).requires_grad_()
         cu = torch.tensor([0, lengths[0], total], device=device, dtype=torch.int32)
-        out = _varlen_call(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, max(lengths),
-                           dim ** -0.5, backend)
-        out.float().square().sum().backward()
-        got = (out.detach().float(), q.grad.float(), k.grad.float(), v.grad.float())
-        q.grad = k.grad = v.grad = None
+        results = {}
+        # the memory-efficient backends in their own layout and with every head in one call (the plan's choice)
+        for whole in (False, True) if backend in EFFICIENT_BACKENDS else (False,):
+            out = _varlen_call(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, max(lengths),
+                               dim ** -0.5, backend, whole)
+            out.float().square().sum().backward()
+            results[whole] = (out.detach().float(), q.grad.float(), k.grad.float(), v.grad.float())
+            q.grad = k.grad = v.grad = None
         refs = []
         for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
             kk = k[:, :, start:end].repeat_interleave(heads // kv_heads, dim=1)
@@ -287,10 +296,12 @@ def _check_against_sdpa(device_index: int, backend: str) -> str:
         ref = torch.cat(refs, dim=0)
         ref.float().square().sum().backward()
         want = (ref.detach().float(), q.grad.float(), k.grad.float(), v.grad.float())
-        for name, a, b in zip(("output", "dq", "dk", "dv"), got, want):
-            err = (a - b).abs().max().item() / max(b.abs().max().item(), 1e-6)
-            if err > 2e-2:
-                return f"disagrees with sdpa ({name} relative error {err:.3f})"
+        for whole, got in results.items():
+            for name, a, b in zip(("output", "dq", "dk", "dv"), got, want):
+                err = (a - b).abs().max().item() / max(b.abs().max().item(), 1e-6)
+                if err > 2e-2:
+                    heads_how = ", every head in one call" if whole else ""
+                    return f"disagrees with sdpa ({name} relative error {err:.3f}{heads_how})"
     except Exception as exc:  # noqa: BLE001 - any failure of the probe means: do not use it
         return f"failed its check: {type(exc).__name__}: {str(exc)[:160]}"
     return ""
@@ -304,10 +315,13 @@ def _probe_applies(plan, trainer) -> tuple[bool, str]:
 
 
 def _probe_now(trainer, plan) -> None:
-    """Probed now, eagerly, in this process (a torchrun rank too): the attention layers only read the result."""
+    """Probed now, eagerly, in this process (a torchrun rank too): the attention layers only read the result, and
+    the plan's layout of the grouped-query heads."""
     import torch
 
-    varlen_works(torch.cuda.current_device(), plan.precision.policy)
+    device = torch.cuda.current_device()
+    varlen_works(device, plan.precision.policy)
+    _WHOLE_HEADS[device] = plan.kernels.attention_whole_heads
 
 
 FEATURE = Feature("Attention", _probe_applies, _probe_now)
