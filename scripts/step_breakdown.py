@@ -95,8 +95,8 @@ def category_of(kernel: str, names: list[str], shapes: list, lora_rank: int, voc
 
 
 def breakdown(prof, lora_rank: int, vocab: int) -> dict:
-    """{"by_category": {what: ms}, "by_phase": {phase: ms}, "by_phase_category": {phase: {what: ms}}, "total_ms",
-    "unattributed_ms"} over a torch.profiler profile's GPU kernels."""
+    """{"by_category": {what: ms}, "by_phase": {phase: ms}, "by_phase_category": {phase: {what: ms}}, "top_kernels":
+    {what: [[kernel, calls, ms], ...]}, "total_ms", "attributed_ms"} over a torch.profiler profile's GPU kernels."""
     by_cat, by_phase, both, by_kernel = {}, {}, {}, {}
     seen_us = 0.0
 
@@ -121,8 +121,8 @@ def breakdown(prof, lora_rank: int, vocab: int) -> dict:
             what = "optimizer" if phase == "optimizer" else category_of(kernel.name, names, shapes, lora_rank, vocab)
             count(what, phase, kernel.name, us)
             seen_us += us
-    # Every kernel on the GPU's timeline (not the ranges inductor annotates there, "## Call CompiledFxGraph ...": they
-    # span kernels already counted): those no op claimed (a library that launches through ctypes, as bitsandbytes'
+    # Every kernel on the GPU's timeline (not the ranges marked there, is_annotation: they span kernels already
+    # counted, or a wait for the host): those no op claimed (a library that launches through ctypes, as bitsandbytes'
     # dequantisation does under Unsloth) are sorted by their name alone, phase "unattributed".
     on_gpu = {}
     for e in prof.events():
