@@ -52,6 +52,8 @@ def main() -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    from scripts.step_breakdown import is_annotation
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tinyllama")
     parser.add_argument("--rows", type=int, default=8)
@@ -111,7 +113,7 @@ def main() -> None:
                 run(True)
                 torch.cuda.synchronize()
             kernels = sorted(((e.key, e.count, e.self_device_time_total / 1000) for e in prof.key_averages()
-                              if e.self_device_time_total > 0 and "#" not in e.key), key=lambda t: -t[2])[:5]
+                              if e.self_device_time_total > 0 and not is_annotation(e.key)), key=lambda t: -t[2])[:5]
             listed = "; ".join(f"{n[:60]} ({c}, {t:.2f})" for n, c, t in kernels)
             print(f"{name:12s} {times[False]:8.3f} {times[True]:11.3f} {extra:10.1f} {diff:9.4f}  {listed}", flush=True)
         except Exception as exc:  # a layout this torch or GPU refuses: say so, go on with the others
