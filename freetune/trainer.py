@@ -16,7 +16,9 @@ library. What changes:
 - resume: the token count, a finished run's rerun, the adapter's dtype, DDP on CPUs (_init_training_state,
   _run_epoch, _load_from_checkpoint, _load_optimizer_and_scheduler);
 - no walk over every module of the model at every step: the parameter count of the FLOPs estimate counted once
-  (floating_point_ops), the gradient clipping given the trainable parameters (_clip_grad_norm).
+  (floating_point_ops), the gradient clipping given the trainable parameters (_clip_grad_norm);
+- bitsandbytes' 8-bit AdamW with one launch per parameter group instead of one, and a host sync, per LoRA weight
+  (create_optimizer, freetune.speed.optimizer).
 The plan (freetune.plan.Plan) says which batching and sampler; freetune.train.train builds this trainer and adds
 GarbageFrozenAfterWarmup (below), a callback that keeps Python's garbage collector off what the first steps leave.
 """
@@ -40,6 +42,7 @@ from freetune.reach import peft_bnb as peft_bnb_reach
 from freetune.reach import trl as trl_reach
 from freetune.reach.torch import set_last_lrs
 from freetune.reach.versions import check_overridden, written_against
+from freetune.speed import optimizer as one_launch_optimizer
 from freetune.speed.batching import PAD_KEY
 from freetune.speed.sampler import rank_balanced_sampler
 
@@ -140,6 +143,17 @@ class FreetuneTrainer(SFTTrainer):
         if self._parameter_count is None or self._parameter_count[0] is not self.model:
             self._parameter_count = (self.model, self.model.num_parameters(exclude_embeddings=True))
         return 6 * inputs[main].numel() * self._parameter_count[1]
+
+    @written_against("transformers 5.17")
+    def create_optimizer(self, model=None):
+        # FSDP and DeepSpeed hold the parameters in flat tensors of their own: their optimizer is left as it is.
+        from accelerate.utils import DistributedType
+
+        optimizer = super().create_optimizer(model)
+        plain = (DistributedType.NO, DistributedType.MULTI_GPU, DistributedType.MULTI_CPU)
+        if self.accelerator.distributed_type in plain:
+            self.optimizer = one_launch_optimizer.one_launch(optimizer)
+        return self.optimizer
 
     @written_against("transformers 5.17")
     def _clip_grad_norm(self, model):

@@ -24,6 +24,7 @@ from scripts.bench_prepare import ARCHITECTURE
 EXPERIMENTS = ("liger", "cpp_wrapper", "combo_kernels", "dense_head", "no_packed_check", "pin_cores", "byte_masks",
                "fp32_absmax", "per_layer_casts", "copied_heads", "kv_head_calls", "trl_empty_cache", "no_triton",
                "inline_dgrad", "skip_guards", "no_asserts", "gc_unfrozen", "lora_dropout", "full_recompute",
+               "optimizer_per_tensor",
                "ddp_split", "static_graph", "bucket_view", "bucket_mb", "flat_sync")
 
 DDP_EXPERIMENTS = ("ddp_split", "static_graph", "bucket_view", "bucket_mb", "flat_sync")
@@ -153,6 +154,9 @@ PATCHES: dict[str, tuple[Patch, ...]] = {
                             lambda old: lambda *args, **kwargs: old(*args[:7])),),
     # The two host savings of the ninth session, undone likewise: TRL's offloading context empties the CUDA cache
     # every micro-batch again; the custom ops' eager dequantisation and MLP helpers without Triton kernels.
+    # Issue 49: bitsandbytes' 8-bit AdamW as it comes (a launch and a host sync per LoRA weight), not
+    # freetune.speed.optimizer's one launch per parameter group
+    "optimizer_per_tensor": (Patch("freetune.speed.optimizer", "one_launch", _set(lambda optimizer: optimizer)),),
     "trl_empty_cache": (Patch("freetune.reach.trl", "keep_cuda_cache_between_steps", _set(lambda trainer: False)),),
     "no_triton": (Patch("freetune.speed.nf4", "triton_for", _set(lambda t: None)),),
     # (fewer op calls; inductor places the dequantisation, which the op exists to prevent: watch the peak; the

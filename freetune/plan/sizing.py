@@ -110,8 +110,7 @@ def choose_optimizer(optimizer: str, device: str, shape, budget_gib: float | Non
         return Decision("paged_adamw_8bit", "paged 8-bit AdamW: no model shape to size the fp32 state against")
     extra_gib = shape.lora_params(lora_rank, lora_targets) * 6 / 2**30
     if extra_gib <= FUSED_ADAMW_MAX_SHARE * budget_gib:
-        return Decision("adamw_torch_fused", f"fused AdamW: one launch updates every LoRA weight (8-bit AdamW launches "
-                                             f"per tensor); its fp32 state costs {extra_gib * 1024:.0f} MiB more, "
+        return Decision("adamw_torch_fused", f"fused AdamW: fp32 state, which costs {extra_gib * 1024:.0f} MiB more, "
                                              f"<= {FUSED_ADAMW_MAX_SHARE:.0%} of {budget_gib:.1f} GiB")
     return Decision("paged_adamw_8bit", f"paged 8-bit AdamW: fp32 state would cost {extra_gib * 1024:.0f} MiB more, "
                                         f"over {FUSED_ADAMW_MAX_SHARE:.0%} of {budget_gib:.1f} GiB")
@@ -122,8 +121,8 @@ GRAPHS_LOSS_TILE_TOKENS = 512
 # Fused AdamW measured +5-7% tokens/s with the graphs (GPU-bound long rows, docs/performance.md, issue 49), but its
 # ~72 MiB more state for TinyLlama put the 4 GiB plan over Unsloth's peak on bench.py's default rows: 8-bit AdamW stays.
 GRAPHS_OPTIMIZER = Decision("adamw_8bit", "8-bit AdamW: a quarter of fused AdamW's state, which pays for the CUDA "
-                                          "graphs' buffers; its per-tensor launches run while the GPU works through "
-                                          "the graphs")
+                                          "graphs' buffers; one launch updates every LoRA weight "
+                                          "(freetune.speed.optimizer)")
 GRAPHS_LOSS_TILE = Decision(GRAPHS_LOSS_TILE_TOKENS, f"{GRAPHS_LOSS_TILE_TOKENS:,} tokens per tile: the CUDA graphs' "
                                                      f"buffers are paid for here")
 

@@ -112,3 +112,96 @@ def keep_training_layout(model) -> int:
     return _keep_out_of_cpu_repacking(model, partial_blocks_only=False)
 
 
+
+
+# ---- bitsandbytes 0.50: its 8-bit Adam's state and update (freetune.speed.optimizer) --------------------------------
+
+# The values per absmax scale of the 8-bit optimizers' blockwise state (Optimizer2State.init_state's blocksize).
+OPTIMIZER_BLOCK = 256
+# A paged optimizer pages the state of tensors of at least this many values (Optimizer8bit.get_state_buffer), and
+# keeps smaller ones' in ordinary GPU memory.
+PAGED_MIN_SIZE = 100_000
+
+
+def adam_8bit_blocker(optimizer) -> str:
+    """'' when `optimizer` is bitsandbytes 0.50's 8-bit Adam/AdamW (Optimizer2State, optimizer_name "adam", optim_bits
+    8; its 8-bit state is always blockwise) with no update norm per whole tensor (max_unorm); else what stands in the
+    way (None: not a bitsandbytes 8-bit optimizer at all)."""
+    try:
+        from bitsandbytes.optim.optimizer import Optimizer2State
+    except ImportError:
+        return None
+    if not isinstance(optimizer, Optimizer2State) or getattr(optimizer.args, "optim_bits", 32) != 8:
+        return None
+    args = optimizer.args
+    if optimizer.optimizer_name != "adam":
+        return f"bitsandbytes' {optimizer.optimizer_name} update"
+    if args.max_unorm > 0:
+        return f"an update norm per tensor (max_unorm={args.max_unorm})"
+    return ""
+
+
+def adam_8bit_sizes(optimizer) -> tuple[int, float]:
+    """The sizes of tensor bitsandbytes keeps ordinary 8-bit state for: at least min_8bit_size values (smaller ones get
+    fp32 state), and, where the optimizer is paged, under PAGED_MIN_SIZE (larger ones get paged state)."""
+    return optimizer.args.min_8bit_size, PAGED_MIN_SIZE if optimizer.is_paged else float("inf")
+
+
+def adam_8bit_overridden(optimizer) -> set:
+    """ids of the parameters with a per-parameter setting (GlobalOptimManager: the Trainer gives embeddings 32-bit
+    state), found as bitsandbytes' first step finds them."""
+    optimizer.check_overrides()
+    return set(optimizer.mng.pid2config)
+
+
+def adam_8bit_state(optimizer, like) -> dict:
+    """bitsandbytes 0.50's fresh 8-bit state for a tensor like `like` (Optimizer2State.init_state's), in ordinary GPU
+    memory, never paged (freetune.speed.optimizer flattens only weights whose state bitsandbytes would not page): both
+    moments 8-bit, their quantisation maps, one absmax per OPTIMIZER_BLOCK values."""
+    import torch
+
+    if "dynamic" not in optimizer.name2qmap:
+        optimizer.fill_qmap()
+    qmaps = [optimizer.name2qmap[name].to(like.device) for name in ("dynamic", "udynamic")]
+    blocks = -(-like.numel() // OPTIMIZER_BLOCK)
+    return {"step": 0,
+            "state1": torch.zeros_like(like, dtype=torch.uint8), "qmap1": qmaps[0],
+            "state2": torch.zeros_like(like, dtype=torch.uint8), "qmap2": qmaps[1],
+            "absmax1": torch.zeros((blocks,), dtype=torch.float32, device=like.device),
+            "absmax2": torch.zeros((blocks,), dtype=torch.float32, device=like.device)}
+
+
+def adam_8bit_update(optimizer, group: dict, grad, weight, state: dict, step: int) -> None:
+    """One 8-bit Adam update of `weight` from `grad` with `state` at step `step` (1 first), the arithmetic of
+    Optimizer2State.update_step for 8-bit state; without the torch.cuda.synchronize() bitsandbytes' step adds after
+    every parameter (the caller synchronises once for paged state)."""
+    import bitsandbytes.functional as F
+
+    betas = group["betas"]
+    F.optimizer_update_8bit_blockwise(
+        optimizer.optimizer_name, grad, weight, state["state1"], state["state2"], betas[0], betas[1],
+        betas[2] if len(betas) >= 3 else 0.0, group.get("alpha", 0.0), group["eps"], step, group["lr"],
+        state["qmap1"], state["qmap2"], state["absmax1"], state["absmax2"], group["weight_decay"], gnorm_scale=1.0,
+        skip_zeros=optimizer.args.skip_zeros)
+
+
+def adam_8bit_step_others(optimizer, weights) -> None:
+    """bitsandbytes' own step for `weights` ([(group index, index in group, weight)]: those outside freetune's flat
+    tensors), without its synchronisation after each."""
+    for gindex, pindex, weight in weights:
+        if weight.grad is None:
+            continue
+        group = optimizer.param_groups[gindex]
+        if len(optimizer.state[weight]) == 0:
+            optimizer.init_state(group, weight, gindex, pindex)
+        optimizer.prefetch_state(weight)
+        optimizer.update_step(group, weight, gindex, pindex)
+
+
+def adam_8bit_first_step(optimizer) -> None:
+    """What bitsandbytes' step does once before its first update: the per-parameter overrides, state moved to the
+    parameters' devices."""
+    if not optimizer.initialized:
+        optimizer.check_overrides()
+        optimizer.to_gpu()
+        optimizer.initialized = True

@@ -1,0 +1,226 @@
+"""bitsandbytes' 8-bit AdamW with one launch for every LoRA weight of a parameter group, not one per weight.
+
+Why: bitsandbytes 0.50's 8-bit AdamW updates each parameter with a kernel launch of its own, its own Python, and a
+torch.cuda.synchronize() after each. A LoRA model has hundreds of small weights (TinyLlama, every linear layer: 308):
+every step, the host waits for the GPU 308 times and the GPU waits for the host's Python in between, 20-35 ms a step
+where the step is bound by the host (docs/performance.md, issue 49). The update is element-wise within blocks of 256
+values, each block with its own absmax scale for the 8-bit moments, so the same update over one tensor that holds the
+weights back to back, each starting on a block boundary, computes the same numbers (tests/test_optimizer.py compares
+them bit for bit with bitsandbytes' own step).
+
+How (one_launch, called by FreetuneTrainer.create_optimizer on the optimizer the Trainer made):
+- Each parameter group's weights that bitsandbytes would give 8-bit state in ordinary GPU memory (at least
+  min_8bit_size values, below the paged optimizers' paging size, no per-parameter override) are moved, per device and
+  dtype, into one flat tensor: each weight's .data becomes a view of its segment. Segments start on block boundaries;
+  the padding between them gets zero gradients and nothing reads it (its 8-bit moments dequantise below its block's
+  largest value, so they never set a block's scale). The weights are the same Parameter objects, so the model, the
+  gradient scaler and the clipping see nothing new; only their storage is shared.
+- A step concatenates the weights' gradients (one copy, with the padding) and runs one update over the flat tensor and
+  its state. Weights outside a flat tensor take bitsandbytes' own update. Paged state (paged_adamw_8bit's, for
+  weights of at least 100,000 values) is copied asynchronously: one synchronisation at the end of the step, not one
+  per weight.
+- A step where some weight of a flat tensor has no gradient updates each of its weights on its own slice of the
+  state, as bitsandbytes would (the one without is skipped and keeps its step count); the single launch resumes once
+  every weight's count is the same again.
+- state_dict() gives each weight its own state (views of its slices) in bitsandbytes' format, so a checkpoint loads
+  into either optimizer; load_state_dict() packs each weight's state back into the flat tensors.
+- A weight whose storage was replaced after the move (its .data set again) stops the step with an error: its updates
+  would no longer reach the model.
+
+Where it steps aside: any optimizer but bitsandbytes' 8-bit Adam/AdamW is left as it is; one with an update norm per
+whole tensor (max_unorm) too, with a line that says so; FSDP and DeepSpeed, which hold the parameters in flat tensors
+of their own, are never handed to it (FreetuneTrainer.create_optimizer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from freetune.distributed import print0
+from freetune.errors import FreetuneError
+from freetune.reach import peft_bnb
+
+
+@dataclass
+class FlatWeights:
+    """One parameter group's weights of one device and dtype, held back to back in `tensor`."""
+
+    gindex: int                     # the parameter group
+    weights: list                   # the Parameters, in the group's order
+    offsets: list                   # where each starts in `tensor` (a multiple of OPTIMIZER_BLOCK)
+    tensor: object                  # the flat tensor; each weight's .data is a view of it
+    pointers: list                  # each weight's data_ptr() when moved (a change means its storage was replaced)
+    steps: list                     # each weight's update count (bitsandbytes' per-parameter "step")
+    padding: list = field(default_factory=list)  # [(index of the weight before it, zeros)] between segments
+    state: dict | None = None       # bitsandbytes' state for `tensor`, made at the first update
+
+    def slices(self, i: int) -> tuple[slice, slice]:
+        """Weight i's values and its absmax blocks in the flat tensor and state."""
+        n = self.weights[i].numel()
+        first = self.offsets[i] // peft_bnb.OPTIMIZER_BLOCK
+        return slice(self.offsets[i], self.offsets[i] + n), slice(first, first + -(-n // peft_bnb.OPTIMIZER_BLOCK))
+
+
+def _padded(n: int) -> int:
+    return -(-n // peft_bnb.OPTIMIZER_BLOCK) * peft_bnb.OPTIMIZER_BLOCK
+
+
+def flatten(optimizer) -> list[FlatWeights]:
+    """Move each group's 8-bit-state weights into flat tensors (see the module's docstring); returns them."""
+    import torch
+
+    min_size, paged_size = peft_bnb.adam_8bit_sizes(optimizer)
+    overridden = peft_bnb.adam_8bit_overridden(optimizer)
+    flats = []
+    for gindex, group in enumerate(optimizer.param_groups):
+        kinds: dict = {}
+        for weight in group["params"]:
+            if min_size <= weight.numel() < paged_size and id(weight) not in overridden and weight.is_contiguous() and (
+                    weight.dtype in (torch.float32, torch.float16, torch.bfloat16)):
+                kinds.setdefault((weight.device, weight.dtype), []).append(weight)
+        for (device, dtype), weights in kinds.items():
+            if len(weights) < 2:  # one weight: it is its own flat tensor already
+                continue
+            offsets, total = [], 0
+            for weight in weights:
+                offsets.append(total)
+                total += _padded(weight.numel())
+            tensor = torch.zeros(total, dtype=dtype, device=device)
+            padding = []
+            with torch.no_grad():
+                for i, (weight, offset) in enumerate(zip(weights, offsets)):
+                    view = tensor[offset:offset + weight.numel()].view_as(weight)
+                    view.copy_(weight)
+                    weight.data = view
+                    gap = _padded(weight.numel()) - weight.numel()
+                    if gap:
+                        padding.append((i, torch.zeros(gap, dtype=dtype, device=device)))
+            flats.append(FlatWeights(gindex, weights, offsets, tensor, [w.data_ptr() for w in weights],
+                                     [0] * len(weights), padding))
+    return flats
+
+
+class OneLaunchSteps:
+    """The step, state_dict and load_state_dict of a bitsandbytes 8-bit Adam whose weights one_launch moved into flat
+    tensors (mixed in before the optimizer's own class)."""
+
+    freetune_flats: list = ()
+
+    def step(self, closure=None):
+        import torch
+
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with torch.no_grad():
+            peft_bnb.adam_8bit_first_step(self)
+            in_flats = set()
+            for flat in self.freetune_flats:
+                in_flats.update(id(w) for w in flat.weights)
+                self.freetune_flat_step(flat)
+            peft_bnb.adam_8bit_step_others(self, [(g, i, w) for g, group in enumerate(self.param_groups)
+                                                  for i, w in enumerate(group["params"]) if id(w) not in in_flats])
+            if self.is_paged and any(w.is_cuda for group in self.param_groups for w in group["params"]):
+                torch.cuda.synchronize()  # the paged state's copies are asynchronous
+        return loss
+
+    def freetune_flat_step(self, flat: FlatWeights) -> None:
+        import torch
+
+        if [w.data_ptr() for w in flat.weights] != flat.pointers:
+            raise FreetuneError("A LoRA weight's storage was replaced after the optimizer was made (its .data set "
+                                "again), so the one-launch 8-bit AdamW (freetune.speed.optimizer) would no longer "
+                                "update it. Make the optimizer after the model's weights are in place.")
+        group = self.param_groups[flat.gindex]
+        if flat.state is None:
+            flat.state = peft_bnb.adam_8bit_state(self, flat.tensor)
+        grads = [w.grad for w in flat.weights]
+        if any(g is None for g in grads) or len(set(flat.steps)) > 1:
+            for i, (weight, grad) in enumerate(zip(flat.weights, grads)):
+                if grad is not None:
+                    values, blocks = flat.slices(i)
+                    state = {key: value for key, value in flat.state.items() if key.startswith("qmap")}
+                    for key in ("state1", "state2"):
+                        state[key] = flat.state[key][values].view_as(weight)
+                    for key in ("absmax1", "absmax2"):
+                        state[key] = flat.state[key][blocks]
+                    flat.steps[i] += 1
+                    peft_bnb.adam_8bit_update(self, group, grad.contiguous(), weight, state, flat.steps[i])
+            return
+        pieces = [g.reshape(-1) for g in grads]
+        for i, zeros in reversed(flat.padding):
+            pieces.insert(i + 1, zeros)
+        step = flat.steps[0] + 1
+        peft_bnb.adam_8bit_update(self, group, torch.cat(pieces), flat.tensor, flat.state, step)
+        flat.steps = [step] * len(flat.weights)
+
+    def state_dict(self):
+        members = {}
+        for flat in self.freetune_flats:
+            if flat.state is None:
+                continue
+            for i, weight in enumerate(flat.weights):
+                if flat.steps[i] == 0:
+                    continue
+                values, blocks = flat.slices(i)
+                members[weight] = {"step": flat.steps[i],
+                                   "state1": flat.state["state1"][values].view_as(weight), "qmap1": flat.state["qmap1"],
+                                   "state2": flat.state["state2"][values].view_as(weight), "qmap2": flat.state["qmap2"],
+                                   "absmax1": flat.state["absmax1"][blocks], "absmax2": flat.state["absmax2"][blocks]}
+        self.state.update(members)
+        try:
+            return super().state_dict()
+        finally:
+            for weight in members:
+                del self.state[weight]
+
+    def load_state_dict(self, state_dict, *args, **kwargs):
+        import torch
+
+        super().load_state_dict(state_dict, *args, **kwargs)
+        for flat in self.freetune_flats:
+            saved = [self.state.pop(w, None) or None for w in flat.weights]
+            flat.state, flat.steps = None, [0] * len(flat.weights)
+            if not any(saved):
+                continue
+            flat.state = peft_bnb.adam_8bit_state(self, flat.tensor)
+            for i, entry in enumerate(saved):
+                if not entry:
+                    continue
+                if entry["state1"].dtype != torch.uint8:
+                    raise FreetuneError(f"The checkpoint's optimizer state for a LoRA weight of "
+                                        f"{flat.weights[i].numel()} values is 32-bit, where this 8-bit AdamW keeps "
+                                        f"8-bit state: it was saved with another optimizer setting. Resume with the "
+                                        f"optimizer it was trained with.")
+                values, blocks = flat.slices(i)
+                for key in ("state1", "state2"):
+                    flat.state[key][values].copy_(entry[key].reshape(-1))
+                for key in ("absmax1", "absmax2"):
+                    flat.state[key][blocks].copy_(entry[key].reshape(-1))
+                flat.steps[i] = int(entry["step"])
+
+
+_CLASSES: dict = {}
+
+
+def one_launch(optimizer):
+    """`optimizer` with its weights in flat tensors and OneLaunchSteps' step where it is bitsandbytes' blockwise 8-bit
+    Adam (the same object, its class extended); any other optimizer as it is, with a line that says why where it is a
+    bitsandbytes 8-bit one."""
+    blocker = peft_bnb.adam_8bit_blocker(optimizer)
+    if blocker is None:
+        return optimizer
+    if blocker:
+        print0(f"8-bit AdamW updates each LoRA weight with a launch of its own: {blocker}.")
+        return optimizer
+    if any(len(optimizer.state[w]) for group in optimizer.param_groups for w in group["params"]):
+        raise FreetuneError("one_launch takes an optimizer before its first step (its state would be left behind).")
+    base = type(optimizer)
+    if base not in _CLASSES:
+        _CLASSES[base] = type(f"OneLaunch{base.__name__}", (OneLaunchSteps, base), {})
+    flats = flatten(optimizer)
+    # The same object, so that nothing that already holds it (the Trainer, a scheduler) holds a stale one.
+    optimizer.__class__ = _CLASSES[base]
+    optimizer.freetune_flats = flats
+    return optimizer
