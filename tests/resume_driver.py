@@ -4,7 +4,9 @@
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/resume_driver.py job.json   # DDP, gloo
 
 job.json: {"model_dir", "run_dir", "max_steps", "save_steps", and optionally "time_budget_min", "hub_root",
-"hub_retry_s", "kill_at", "pid_dir"}.
+"hub_retry_s", "kill_at", "pid_dir", "optimizer" (the Trainer's optim; "adamw_8bit" runs bitsandbytes' 8-bit AdamW on
+the CPU, which its CPU backend can), "one_launch" (false: bitsandbytes' optimizer as it comes, not
+freetune.speed.optimizer's), "lora_rank"}.
 `hub_root` (optional) turns on Hub sync against LocalHub, a stand-in for huggingface_hub.HfApi that keeps the
 "repo" in a folder (the real Hub cannot be reached from tests). `kill_at` {"phase": ..., "nth": k} makes the
 process SIGKILL itself the k-th time it reaches that point of a checkpoint save, to hit each point for certain.
@@ -134,6 +136,22 @@ def arm_self_kill(phase: str, nth: int) -> None:
     ckpt._discard = discard
 
 
+def report_optimizer(one_launch: bool) -> None:
+    """Print the class of the optimizer FreetuneTrainer.create_optimizer made (one_launch=False: bitsandbytes' own,
+    as freetune.speed.optimizer.one_launch leaves it)."""
+    import freetune.speed.optimizer as one_launch_optimizer
+
+    original = one_launch_optimizer.one_launch
+
+    def reporting(optimizer):
+        optimizer = original(optimizer) if one_launch else optimizer
+        flat = sum(len(f.weights) for f in getattr(optimizer, "freetune_flats", ()))
+        print(f"driver: optimizer {type(optimizer).__name__}, {flat} weights in flat tensors", flush=True)
+        return optimizer
+
+    one_launch_optimizer.one_launch = reporting
+
+
 def main() -> None:
     job = json.loads(Path(sys.argv[1]).read_text())
     import transformers
@@ -164,11 +182,16 @@ def main() -> None:
     # anything: without this, two fresh runs start from different adapters (a resumed run reads them back).
     transformers.set_seed(0)
     model = freetune.model.load_base_model(job["model_dir"], plan, local_rank=ctx.local_rank)
-    model, _, _ = freetune.model.attach_lora(model, rank=8, alpha=16, dropout=0.0)
+    model, _, _ = freetune.model.attach_lora(model, rank=job.get("lora_rank", 8), alpha=16, dropout=0.0)
     config = freetune.sft_config.make_config(
         paths, plan, max_steps=job["max_steps"], micro_batch=2, grad_accum=1, learning_rate=5e-3, max_length=64,
         optimizer="adamw_torch", logging_steps=1, save_steps=job["save_steps"], save_total_limit=2,
         gradient_checkpointing=True, seed=0)
+    if job.get("optimizer"):  # a CPU plan gives PyTorch's AdamW; bitsandbytes 0.50 runs its 8-bit AdamW on CPUs too
+        from transformers.training_args import OptimizerNames
+
+        config.optim = OptimizerNames(job["optimizer"])
+        report_optimizer(one_launch=job.get("one_launch", True))
     hub_api = LocalHub(job["hub_root"]) if job.get("hub_root") else None
     print("driver: training starts", flush=True)
     summary = freetune.train.train(model, tokenizer, synthetic_rows(), config, plan=plan, paths=paths,

@@ -425,6 +425,42 @@ def test_sigterm_and_time_budget_each_stop_with_a_complete_checkpoint(tmp_path, 
     assert_same_training(run_dir, reference)
 
 
+def test_8bit_adamw_in_one_launch_trains_as_bitsandbytes_own_and_resumes_from_its_checkpoint(tmp_path, tiny_model_dir):
+    """freetune.speed.optimizer through the whole training path: bitsandbytes' 8-bit AdamW (its CPU backend) made
+    one-launch by FreetuneTrainer.create_optimizer trains the same adapter as bitsandbytes' own step, and a run killed
+    after a checkpoint resumes from that checkpoint's optimizer state (saved per weight, bitsandbytes' format) to the
+    same end. Rank 64 on the tiny model's 64-wide layers: most LoRA weights have 8-bit state (one flat tensor), the
+    k/v projections' B matrices (2,048 values) fp32 state (bitsandbytes' own update)."""
+    import torch
+
+    steps, common = 6, {"optimizer": "adamw_8bit", "lora_rank": 64}
+    plain_dir, one_dir = tmp_path / "plain" / "run", tmp_path / "one" / "run"
+    for folder in (plain_dir.parent, one_dir.parent):
+        folder.mkdir()
+    plain = Run(write_job(plain_dir.parent, "job", tiny_model_dir, plain_dir, steps, one_launch=False, **common),
+                plain_dir.parent / "run.log")
+    assert plain.finish() == 0, plain.text()[-3000:]
+    assert "driver: optimizer AdamW, 0 weights in flat tensors" in plain.text()
+
+    killed = Run(write_job(one_dir.parent, "killed", tiny_model_dir, one_dir, steps,
+                           kill_at={"phase": "after_write_marker", "nth": 2}, **common), one_dir.parent / "killed.log")
+    killed.finish()
+    # 2 layers x (7 A matrices + the 5 B matrices of 4,096 values or more)
+    assert "driver: optimizer OneLaunchAdamW, 24 weights in flat tensors" in killed.text()
+    assert "self-kill at after_write_marker #2" in killed.text()
+    saved = torch.load(one_dir / "checkpoints" / "checkpoint-4" / "optimizer.pt", weights_only=False)
+    trainable = len(adapter_tensors(one_dir / "checkpoints" / "checkpoint-4"))
+    assert len(saved["state"]) == trainable and all(entry["step"] == 4 for entry in saved["state"].values())
+
+    rest = Run(write_job(one_dir.parent, "rest", tiny_model_dir, one_dir, steps, **common), one_dir.parent / "rest.log")
+    assert rest.finish() == 0, rest.text()[-3000:]
+    assert "Resuming from checkpoint-4 at step 4" in rest.text() and "driver: optimizer OneLaunchAdamW" in rest.text()
+    mine, theirs = adapter_tensors(one_dir / "adapter"), adapter_tensors(plain_dir / "adapter")
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert losses(one_dir) == losses(plain_dir)
+    assert max(float(theirs[k].abs().max()) for k in theirs if "lora_B" in k) > 1e-3, "the adapter did not train"
+
+
 def test_hub_sync_uploads_complete_checkpoints_and_a_new_session_resumes_from_the_hub(tmp_path, tiny_model_dir,
                                                                                       reference):
     run_dir, hub = tmp_path / "run", tmp_path / "hub"
