@@ -106,18 +106,33 @@ def test_a_checkpoint_of_either_optimizer_resumes_in_the_other(device):
     assert sorted(saved(flat)["state"]) == sorted(saved(plain)["state"])
 
 
-def test_one_launch_stops_a_step_whose_weight_was_moved_and_leaves_other_optimizers_alone(capsys):
+def test_weights_moved_after_the_optimizer_was_made_are_moved_into_a_new_flat_tensor(capsys):
+    """accelerate moves the model to "cpu:0" under DDP on CPUs after the Trainer made the optimizer (each weight's
+    .data replaced): the next step puts the weights, as they are then, into a new flat tensor, state and all."""
     from bitsandbytes.optim.optimizer import Optimizer2State
 
     from freetune.errors import FreetuneError
     from freetune.speed.optimizer import OneLaunchSteps, one_launch
 
-    weights = _weights("cpu")
-    optimizer = _optimizer(weights, flat=True)
-    weights[0].data = weights[0].data.clone()  # its updates would land in the flat tensor, not in the model
-    _gradients(weights, 0)
-    with pytest.raises(FreetuneError, match="storage was replaced"):
-        optimizer.step()
+    plain_weights, flat_weights = _weights("cpu"), _weights("cpu")
+    plain, flat = _optimizer(plain_weights, flat=False), _optimizer(flat_weights, flat=True)
+    _run(plain, plain_weights, range(2))
+    _run(flat, flat_weights, range(2))
+    old = flat.freetune_flats[0].tensor
+    with torch.no_grad():
+        for w in flat_weights:  # as Module._apply does: the same Parameters, new storage
+            w.data = w.data.clone()
+    _run(plain, plain_weights, range(2, 4))
+    _run(flat, flat_weights, range(2, 4))
+    assert flat.freetune_flats[0].tensor is not old
+    for a, b in zip(plain_weights, flat_weights):
+        assert torch.equal(a, b)
+
+    flat_weights[0].data = flat_weights[0].data.double()
+    for w in flat_weights:
+        w.grad = torch.ones_like(w)
+    with pytest.raises(FreetuneError, match="different devices or dtypes"):
+        flat.step()
 
     normed = one_launch(Optimizer2State("adam", _groups(_weights("cpu")), optim_bits=8, max_unorm=1.0))
     assert not isinstance(normed, OneLaunchSteps)

@@ -461,6 +461,25 @@ def test_8bit_adamw_in_one_launch_trains_as_bitsandbytes_own_and_resumes_from_it
     assert max(float(theirs[k].abs().max()) for k in theirs if "lora_B" in k) > 1e-3, "the adapter did not train"
 
 
+def test_8bit_adamw_in_one_launch_trains_as_bitsandbytes_own_under_ddp(tmp_path, tiny_model_dir):
+    """Under torchrun (two processes, gloo) the one-launch optimizer's flat tensors sit under DDP's gradient buckets and
+    its start-up broadcast (which write into the weights' views): the same adapter as bitsandbytes' own step."""
+    import torch
+
+    adapters = {}
+    for name, one_launch in (("plain", False), ("one", True)):
+        folder = tmp_path / name
+        folder.mkdir()
+        run = Run(write_job(folder, "job", tiny_model_dir, folder / "run", 4, optimizer="adamw_8bit", lora_rank=64,
+                            one_launch=one_launch), folder / "run.log", ddp=True)
+        assert run.finish() == 0, run.text()[-3000:]
+        assert run.text().count("weights in flat tensors") == 2  # both ranks
+        assert ("OneLaunchAdamW, 24 weights" in run.text()) is one_launch
+        adapters[name] = adapter_tensors(folder / "run" / "adapter")
+    assert adapters["one"].keys() == adapters["plain"].keys()
+    assert all(torch.equal(adapters["one"][k], adapters["plain"][k]) for k in adapters["one"])
+
+
 def test_hub_sync_uploads_complete_checkpoints_and_a_new_session_resumes_from_the_hub(tmp_path, tiny_model_dir,
                                                                                       reference):
     run_dir, hub = tmp_path / "run", tmp_path / "hub"

@@ -24,8 +24,9 @@ How (one_launch, called by FreetuneTrainer.create_optimizer on the optimizer the
   every weight's count is the same again.
 - state_dict() gives each weight its own state (views of its slices) in bitsandbytes' format, so a checkpoint loads
   into either optimizer; load_state_dict() packs each weight's state back into the flat tensors.
-- A weight whose storage was replaced after the move (its .data set again) stops the step with an error: its updates
-  would no longer reach the model.
+- Weights whose storage was replaced after the move (their .data set again: accelerate moves the model to "cpu:0"
+  under DDP on CPUs after the Trainer made the optimizer) are moved into a new flat tensor at the next step, their
+  state with them; weights moved to different devices or dtypes stop the step with an error that says so.
 
 Where it steps aside: any optimizer but bitsandbytes' 8-bit Adam/AdamW is left as it is; one with an update norm per
 whole tensor (max_unorm) too, with a line that says so; FSDP and DeepSpeed, which hold the parameters in flat tensors
@@ -85,19 +86,42 @@ def flatten(optimizer) -> list[FlatWeights]:
             for weight in weights:
                 offsets.append(total)
                 total += _padded(weight.numel())
-            tensor = torch.zeros(total, dtype=dtype, device=device)
-            padding = []
-            with torch.no_grad():
-                for i, (weight, offset) in enumerate(zip(weights, offsets)):
-                    view = tensor[offset:offset + weight.numel()].view_as(weight)
-                    view.copy_(weight)
-                    weight.data = view
-                    gap = _padded(weight.numel()) - weight.numel()
-                    if gap:
-                        padding.append((i, torch.zeros(gap, dtype=dtype, device=device)))
-            flats.append(FlatWeights(gindex, weights, offsets, tensor, [w.data_ptr() for w in weights],
-                                     [0] * len(weights), padding))
+            padding = [(i, torch.zeros(_padded(w.numel()) - w.numel(), dtype=dtype, device=device))
+                       for i, w in enumerate(weights) if w.numel() % peft_bnb.OPTIMIZER_BLOCK]
+            flat = FlatWeights(gindex, weights, offsets, torch.empty(total, dtype=dtype, device="meta"), [],
+                               [0] * len(weights), padding)
+            _place(flat, device, dtype)
+            flats.append(flat)
     return flats
+
+
+def _place(flat: FlatWeights, device, dtype) -> None:
+    """Copy the weights' current values into a new flat tensor on `device` and make each weight a view of it."""
+    import torch
+
+    tensor = torch.zeros(flat.tensor.numel(), dtype=dtype, device=device)
+    with torch.no_grad():
+        for weight, offset in zip(flat.weights, flat.offsets):
+            view = tensor[offset:offset + weight.numel()].view_as(weight)
+            view.copy_(weight)
+            weight.data = view
+    flat.tensor, flat.pointers = tensor, [w.data_ptr() for w in flat.weights]
+    flat.padding = [(i, zeros.to(device=device, dtype=dtype)) for i, zeros in flat.padding]
+
+
+def rehome(flat: FlatWeights) -> None:
+    """The weights' storage was replaced after they were moved (accelerate's model.to(device) under DDP on CPUs copies
+    every parameter to "cpu:0"; a user's model.to()): their current values go into a new flat tensor where they now
+    are, and the state follows them. Weights that no longer share one device and dtype cannot share a flat tensor."""
+    kinds = {(w.device, w.dtype) for w in flat.weights}
+    if len(kinds) != 1:
+        raise FreetuneError(f"The LoRA weights the one-launch 8-bit AdamW (freetune.speed.optimizer) updates together "
+                            f"were moved to different devices or dtypes after the optimizer was made "
+                            f"({sorted(str(k) for k in kinds)}); make the optimizer after the model is in place.")
+    (device, dtype), = kinds
+    _place(flat, device, dtype)
+    if flat.state is not None:
+        flat.state = {key: value.to(device) if hasattr(value, "to") else value for key, value in flat.state.items()}
 
 
 class OneLaunchSteps:
@@ -129,9 +153,7 @@ class OneLaunchSteps:
         import torch
 
         if [w.data_ptr() for w in flat.weights] != flat.pointers:
-            raise FreetuneError("A LoRA weight's storage was replaced after the optimizer was made (its .data set "
-                                "again), so the one-launch 8-bit AdamW (freetune.speed.optimizer) would no longer "
-                                "update it. Make the optimizer after the model's weights are in place.")
+            rehome(flat)
         group = self.param_groups[flat.gindex]
         if flat.state is None:
             flat.state = peft_bnb.adam_8bit_state(self, flat.tensor)
