@@ -305,15 +305,18 @@ def test_evaluation_and_unsupported_layers_keep_peft_forward(tiny_model_dir):
     assert lora_kernel.use_fused_lora(dora)[0] == 0
 
 
-@pytest.mark.parametrize("checkpointing, keep_8bit, cast_once", [(False, True, False), (True, True, False),
-                                                                  (True, False, False), (True, True, True)])
-def test_compiled_layers_train_like_eager_ones(tiny_model_dir, checkpointing, keep_8bit, cast_once):
+@pytest.mark.parametrize("checkpointing, keep_8bit, cast_once, flat_weights", [
+    (False, True, False, False), (True, True, False, False), (True, False, False, False), (True, True, True, False),
+    (True, True, False, True)])
+def test_compiled_layers_train_like_eager_ones(tiny_model_dir, checkpointing, keep_8bit, cast_once, flat_weights):
     """compile_layers compiles each decoder layer with its fused LoRA layers inside, as one graph (aot_eager:
     dynamo and the autograd graph as the GPU's inductor sees them), over three lengths, with and without gradient
     checkpointing (the T4 plan has it on), the compiled layers dequantising from the 8-bit absmax values in the graph
     (the plan's way) or from fp32 ones; the eager reference reads fp32 ones. cast_once: the compiled layers read the
     LoRA weights' copies made once per forward (cast_adapters_once_per_forward; fresh tensors every forward, which must
-    not make new graphs), the eager reference its own weights."""
+    not make new graphs), the eager reference its own weights. flat_weights: the compiled layers' LoRA weights are views
+    of one flat tensor (freetune.speed.optimizer's one-launch 8-bit AdamW, made before the layers are compiled, as the
+    Trainer does), inputs of the graphs that share one storage."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -325,6 +328,15 @@ def test_compiled_layers_train_like_eager_ones(tiny_model_dir, checkpointing, ke
         lora_kernel.use_fused_lora(model, keep_8bit_absmax=keep_8bit and model is compiled)
     if cast_once:
         assert lora_kernel.cast_adapters_once_per_forward(compiled) is not None
+    if flat_weights:
+        import bitsandbytes as bnb
+
+        from freetune.speed.optimizer import one_launch
+
+        trainable = [p for p in compiled.parameters() if p.requires_grad]
+        # min_8bit_size 256: the tiny model's LoRA weights (512 values) get 8-bit state, as a real model's do
+        optimizer = one_launch(bnb.optim.AdamW(trainable, optim_bits=8, min_8bit_size=256))
+        assert sum(len(flat.weights) for flat in optimizer.freetune_flats) == len(trainable)
     torch._dynamo.reset()
     counters.clear()
     assert compiled_layers.compile_layers(compiled, backend="aot_eager") == len(compiled.get_base_model().model.layers)
