@@ -110,8 +110,9 @@ def choose_optimizer(optimizer: str, device: str, shape, budget_gib: float | Non
         return Decision("paged_adamw_8bit", "paged 8-bit AdamW: no model shape to size the fp32 state against")
     extra_gib = shape.lora_params(lora_rank, lora_targets) * 6 / 2**30
     if extra_gib <= FUSED_ADAMW_MAX_SHARE * budget_gib:
-        return Decision("adamw_torch_fused", f"fused AdamW: fp32 state, which costs {extra_gib * 1024:.0f} MiB more, "
-                                             f"<= {FUSED_ADAMW_MAX_SHARE:.0%} of {budget_gib:.1f} GiB")
+        return Decision("adamw_torch_fused", f"fused AdamW: fp32 moments (no 8-bit rounding), in one launch; they "
+                                             f"cost {extra_gib * 1024:.0f} MiB more, <= {FUSED_ADAMW_MAX_SHARE:.0%} "
+                                             f"of {budget_gib:.1f} GiB")
     return Decision("paged_adamw_8bit", f"paged 8-bit AdamW: fp32 state would cost {extra_gib * 1024:.0f} MiB more, "
                                         f"over {FUSED_ADAMW_MAX_SHARE:.0%} of {budget_gib:.1f} GiB")
 
