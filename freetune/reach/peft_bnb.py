@@ -112,8 +112,6 @@ def keep_training_layout(model) -> int:
     return _keep_out_of_cpu_repacking(model, partial_blocks_only=False)
 
 
-
-
 # ---- bitsandbytes 0.50: its 8-bit Adam's state and update (freetune.speed.optimizer) --------------------------------
 
 # The values per absmax scale of the 8-bit optimizers' blockwise state (Optimizer2State.init_state's blocksize).

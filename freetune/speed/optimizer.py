@@ -137,17 +137,28 @@ class OneLaunchSteps:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        with torch.no_grad():
+        # The range torch.optim marks around a step (its wrapper is put on the class the optimizer was made as): a
+        # profile (scripts/step_breakdown.py) puts the gradients' concatenation in the optimizer's phase.
+        with torch.no_grad(), torch.profiler.record_function(f"Optimizer.step#{type(self).__name__}.step"):
             peft_bnb.adam_8bit_first_step(self)
-            in_flats = set()
             for flat in self.freetune_flats:
-                in_flats.update(id(w) for w in flat.weights)
                 self.freetune_flat_step(flat)
-            peft_bnb.adam_8bit_step_others(self, [(g, i, w) for g, group in enumerate(self.param_groups)
-                                                  for i, w in enumerate(group["params"]) if id(w) not in in_flats])
-            if self.is_paged and any(w.is_cuda for group in self.param_groups for w in group["params"]):
+            others = self.freetune_others()
+            peft_bnb.adam_8bit_step_others(self, others)
+            if self.is_paged and any(w.is_cuda for _, _, w in others):
                 torch.cuda.synchronize()  # the paged state's copies are asynchronous
         return loss
+
+    def freetune_others(self) -> list:
+        """[(group index, index in group, weight)] of the weights outside the flat tensors, found again only when the
+        groups' sizes change (add_param_group)."""
+        sizes = [len(group["params"]) for group in self.param_groups]
+        if getattr(self, "freetune_others_of", None) != sizes:
+            in_flats = {id(w) for flat in self.freetune_flats for w in flat.weights}
+            self.freetune_others_list = [(g, i, w) for g, group in enumerate(self.param_groups)
+                                         for i, w in enumerate(group["params"]) if id(w) not in in_flats]
+            self.freetune_others_of = sizes
+        return self.freetune_others_list
 
     def freetune_flat_step(self, flat: FlatWeights) -> None:
         import torch
@@ -234,7 +245,8 @@ def one_launch(optimizer):
     if blocker is None:
         return optimizer
     if blocker:
-        print0(f"8-bit AdamW updates each LoRA weight with a launch of its own: {blocker}.")
+        print0(f"bitsandbytes' 8-bit optimizer updates each LoRA weight with a launch and a host sync of its own "
+               f"here: {blocker}.")
         return optimizer
     if any(len(optimizer.state[w]) for group in optimizer.param_groups for w in group["params"]):
         raise FreetuneError("one_launch takes an optimizer before its first step (its state would be left behind).")
