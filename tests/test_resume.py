@@ -462,8 +462,9 @@ def test_8bit_adamw_in_one_launch_trains_as_bitsandbytes_own_and_resumes_from_it
 
 
 def test_8bit_adamw_in_one_launch_trains_as_bitsandbytes_own_under_ddp(tmp_path, tiny_model_dir):
-    """Under torchrun (two processes, gloo) the one-launch optimizer's flat tensors sit under DDP's gradient buckets and
-    its start-up broadcast (which write into the weights' views): the same adapter as bitsandbytes' own step."""
+    """Under torchrun (two processes, gloo) the one-launch optimizer's weights go through accelerate's move to "cpu:0"
+    (new storage for every weight, after the optimizer was made: freetune.speed.optimizer.rehome), DDP's start-up
+    broadcast and its gradient buckets: the same adapter as bitsandbytes' own step."""
     import torch
 
     adapters = {}
