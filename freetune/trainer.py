@@ -144,14 +144,18 @@ class FreetuneTrainer(SFTTrainer):
             self._parameter_count = (self.model, self.model.num_parameters(exclude_embeddings=True))
         return 6 * inputs[main].numel() * self._parameter_count[1]
 
-    @written_against("transformers 5.17")
-    def create_optimizer(self, model=None):
-        # FSDP and DeepSpeed hold the parameters in flat tensors of their own: their optimizer is left as it is.
+    def _parameters_whole(self) -> bool:
+        """Each process holds the parameters as the model made them: one process or DDP, not FSDP or DeepSpeed, which
+        keep them in flat tensors of their own (and clip and step their own way)."""
         from accelerate.utils import DistributedType
 
-        optimizer = super().create_optimizer(model)
         plain = (DistributedType.NO, DistributedType.MULTI_GPU, DistributedType.MULTI_CPU)
-        if self.accelerator.distributed_type in plain:
+        return self.accelerator.distributed_type in plain
+
+    @written_against("transformers 5.17")
+    def create_optimizer(self, model=None):
+        optimizer = super().create_optimizer(model)
+        if self._parameters_whole():
             self.optimizer = one_launch_optimizer.one_launch(optimizer)
         return self.optimizer
 
@@ -160,10 +164,7 @@ class FreetuneTrainer(SFTTrainer):
         # transformers hands accelerate model.parameters() at every step (every module walked again); only the
         # trainable ones have gradients, so the norm and the clipping are those of the list kept from the first step.
         # FSDP and DeepSpeed clip their own way (accelerate compares the list with the model's parameters there).
-        from accelerate.utils import DistributedType
-
-        plain = (DistributedType.NO, DistributedType.MULTI_GPU, DistributedType.MULTI_CPU)
-        if self.accelerator.distributed_type not in plain or self._has_mixed_mesh_grads(model):
+        if not self._parameters_whole() or self._has_mixed_mesh_grads(model):
             return super()._clip_grad_norm(model)
         if self._trainable is None or self._trainable[0] is not model:
             self._trainable = (model, [p for p in model.parameters() if p.requires_grad])

@@ -155,15 +155,14 @@ def adam_8bit_overridden(optimizer) -> set:
 def adam_8bit_state(optimizer, like) -> dict:
     """bitsandbytes 0.50's fresh 8-bit state for a tensor like `like` (Optimizer2State.init_state's), in ordinary GPU
     memory, never paged (freetune.speed.optimizer flattens only weights whose state bitsandbytes would not page): both
-    moments 8-bit, their quantisation maps, one absmax per OPTIMIZER_BLOCK values."""
+    moments 8-bit, their quantisation maps, one absmax per OPTIMIZER_BLOCK values (the step count is the caller's)."""
     import torch
 
     if "dynamic" not in optimizer.name2qmap:
         optimizer.fill_qmap()
     qmaps = [optimizer.name2qmap[name].to(like.device) for name in ("dynamic", "udynamic")]
     blocks = -(-like.numel() // OPTIMIZER_BLOCK)
-    return {"step": 0,
-            "state1": torch.zeros_like(like, dtype=torch.uint8), "qmap1": qmaps[0],
+    return {"state1": torch.zeros_like(like, dtype=torch.uint8), "qmap1": qmaps[0],
             "state2": torch.zeros_like(like, dtype=torch.uint8), "qmap2": qmaps[1],
             "absmax1": torch.zeros((blocks,), dtype=torch.float32, device=like.device),
             "absmax2": torch.zeros((blocks,), dtype=torch.float32, device=like.device)}

@@ -49,7 +49,7 @@ class FlatWeights:
     gindex: int                     # the parameter group
     weights: list                   # the Parameters, in the group's order
     offsets: list                   # where each starts in `tensor` (a multiple of OPTIMIZER_BLOCK)
-    tensor: object                  # the flat tensor; each weight's .data is a view of it
+    tensor: object                  # the flat tensor (set by _place); each weight's .data is a view of it
     pointers: list                  # each weight's data_ptr() when moved (a change means its storage was replaced)
     steps: list                     # each weight's update count (bitsandbytes' per-parameter "step")
     padding: list = field(default_factory=list)  # [(index of the weight before it, zeros)] between segments
@@ -82,14 +82,12 @@ def flatten(optimizer) -> list[FlatWeights]:
         for (device, dtype), weights in kinds.items():
             if len(weights) < 2:  # one weight: it is its own flat tensor already
                 continue
-            offsets, total = [], 0
-            for weight in weights:
-                offsets.append(total)
-                total += _padded(weight.numel())
+            offsets = [0]
+            for weight in weights[:-1]:
+                offsets.append(offsets[-1] + _padded(weight.numel()))
             padding = [(i, torch.zeros(_padded(w.numel()) - w.numel(), dtype=dtype, device=device))
                        for i, w in enumerate(weights) if w.numel() % peft_bnb.OPTIMIZER_BLOCK]
-            flat = FlatWeights(gindex, weights, offsets, torch.empty(total, dtype=dtype, device="meta"), [],
-                               [0] * len(weights), padding)
+            flat = FlatWeights(gindex, weights, offsets, None, [], [0] * len(weights), padding)
             _place(flat, device, dtype)
             flats.append(flat)
     return flats
@@ -99,7 +97,7 @@ def _place(flat: FlatWeights, device, dtype) -> None:
     """Copy the weights' current values into a new flat tensor on `device` and make each weight a view of it."""
     import torch
 
-    tensor = torch.zeros(flat.tensor.numel(), dtype=dtype, device=device)
+    tensor = torch.zeros(flat.offsets[-1] + _padded(flat.weights[-1].numel()), dtype=dtype, device=device)
     with torch.no_grad():
         for weight, offset in zip(flat.weights, flat.offsets):
             view = tensor[offset:offset + weight.numel()].view_as(weight)
@@ -121,7 +119,7 @@ def rehome(flat: FlatWeights) -> None:
     (device, dtype), = kinds
     _place(flat, device, dtype)
     if flat.state is not None:
-        flat.state = {key: value.to(device) if hasattr(value, "to") else value for key, value in flat.state.items()}
+        flat.state = {key: value.to(device) for key, value in flat.state.items()}
 
 
 class OneLaunchSteps:
@@ -213,7 +211,7 @@ class OneLaunchSteps:
 
         super().load_state_dict(state_dict, *args, **kwargs)
         for flat in self.freetune_flats:
-            saved = [self.state.pop(w, None) or None for w in flat.weights]
+            saved = [self.state.pop(w, None) for w in flat.weights]
             flat.state, flat.steps = None, [0] * len(flat.weights)
             if not any(saved):
                 continue
