@@ -3,6 +3,7 @@
 # Idempotent: a second run only checks. Used by the README's two commands and by .ci/run (and, with VENV set to
 # another folder, by .ci/newest and .ci/platforms).
 #   VENV=.venv-torch210 TORCH_VERSION=2.10.0 bash scripts/setup.sh    # Kaggle's torch, in a venv of its own
+#   PYTHON=python3.13 VENV=... bash scripts/setup.sh                   # the venv on another Python (Colab's 3.13)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,12 +18,12 @@ fi
 
 venv="${VENV:-.venv}"
 if [ ! -x "$venv/bin/python" ]; then
-    python3 -m venv "$venv"
+    "${PYTHON:-python3}" -m venv "$venv"
 fi
 "$venv/bin/python" -m pip install -q --upgrade pip
 # torch first, the version CI tests. From PyPI on Linux that is the CUDA build (it runs on a CPU, with several GB of
 # nvidia-* packages); TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu gets the CPU-only build instead.
-# TORCH_VERSION picks another release (.ci/platforms tests Kaggle's 2.10.0 so).
+# TORCH_VERSION picks another release (.ci/platforms tests Kaggle's 2.10.0 and Colab's 2.11.0 so).
 torch_version="${TORCH_VERSION:-2.13.0}"
 # TORCH_WHEELS: a folder holding that torch and its dependencies (.ci/platforms keeps one), installed without the index.
 "$venv/bin/python" -m pip install -q "torch==$torch_version" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} \
