@@ -389,8 +389,8 @@ def test_sigterm_and_time_budget_each_stop_with_a_complete_checkpoint(tmp_path, 
     for name, tensor in adapter_tensors(stopped_at).items():  # the adapter saved so far is the checkpoint's
         assert (adapter_tensors(run_dir / "adapter")[name] == tensor).all()
 
-    # A budget of 0.3 s: the resumed session's 20 steps take ~3 s here, and fewer than 20 would fit it on any CPU
-    # (0.05 min, 3 s, let a fast one finish them all before the budget ran out: seen on Python 3.13, torch 2.11).
+    # A budget of 0.3 s: the resumed session's 20 steps take ~3 s here, and no CPU runs all 20 inside 0.3 s. The
+    # budget was 0.05 min (3 s), which a fast run finished all 20 steps inside (seen on Python 3.13, torch 2.11).
     run = Run(write_job(tmp_path, "budget", tiny_model_dir, run_dir, STEPS, time_budget_min=0.005),
               tmp_path / "budget.log")
     assert run.finish() == 0, run.text()[-3000:]
