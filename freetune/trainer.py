@@ -17,8 +17,8 @@ library. What changes:
   _run_epoch, _load_from_checkpoint, _load_optimizer_and_scheduler);
 - no walk over every module of the model at every step: the parameter count of the FLOPs estimate counted once
   (floating_point_ops), the gradient clipping given the trainable parameters (_clip_grad_norm);
-- bitsandbytes' 8-bit AdamW with one launch per parameter group instead of one, and a host sync, per LoRA weight
-  (create_optimizer, freetune.speed.optimizer).
+- bitsandbytes' 8-bit AdamW with a launch per 16 MiB of LoRA weights instead of a launch and a host sync per LoRA
+  weight (create_optimizer, freetune.speed.optimizer).
 The plan (freetune.plan.Plan) says which batching and sampler; freetune.train.train builds this trainer and adds
 GarbageFrozenAfterWarmup (below), a callback that keeps Python's garbage collector off what the first steps leave.
 """

@@ -155,7 +155,7 @@ PATCHES: dict[str, tuple[Patch, ...]] = {
     # The two host savings of the ninth session, undone likewise: TRL's offloading context empties the CUDA cache
     # every micro-batch again; the custom ops' eager dequantisation and MLP helpers without Triton kernels.
     # Issue 49: bitsandbytes' 8-bit AdamW as it comes (a launch and a host sync per LoRA weight), not
-    # freetune.speed.optimizer's one launch per parameter group
+    # freetune.speed.optimizer's launch per 16 MiB of LoRA weights
     "optimizer_per_tensor": (Patch("freetune.speed.optimizer", "one_launch", _set(lambda optimizer: optimizer)),),
     "trl_empty_cache": (Patch("freetune.reach.trl", "keep_cuda_cache_between_steps", _set(lambda trainer: False)),),
     "no_triton": (Patch("freetune.speed.nf4", "triton_for", _set(lambda t: None)),),

@@ -1,4 +1,4 @@
-"""freetune.speed.optimizer: bitsandbytes' 8-bit AdamW with one launch per parameter group computes what
+"""freetune.speed.optimizer: bitsandbytes' 8-bit AdamW with a launch per 16 MiB of weights computes what
 bitsandbytes' own per-weight step computes, bit for bit, and its checkpoints load into either optimizer.
 
 bitsandbytes 0.50 runs its 8-bit optimizers on a CPU (its CPU backend), so the comparison runs here on the CPU; the same
@@ -49,11 +49,16 @@ def _run(optimizer, weights, steps, skip_at=None):
         optimizer.zero_grad()
 
 
+@pytest.mark.parametrize("chunk_values", [None, 9000], ids=["one_chunk", "chunks_of_9000"])
 @pytest.mark.parametrize("paged", [False, True], ids=["adamw_8bit", "paged_adamw_8bit"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_one_launch_updates_every_weight_as_bitsandbytes_own_step_does(device, paged):
+def test_one_launch_updates_every_weight_as_bitsandbytes_own_step_does(device, paged, chunk_values, monkeypatch):
+    """Also where the gradients are concatenated a few weights at a time (the limit that bounds the step's memory)."""
+    from freetune.speed import optimizer as one_launch_optimizer
     from freetune.speed.optimizer import OneLaunchSteps
 
+    if chunk_values:
+        monkeypatch.setattr(one_launch_optimizer, "GRADIENT_CHUNK_VALUES", chunk_values)
     plain_weights, flat_weights = _weights(device), _weights(device)
     plain = _optimizer(plain_weights, flat=False, paged=paged)
     flat = _optimizer(flat_weights, flat=True, paged=paged)
@@ -66,6 +71,10 @@ def test_one_launch_updates_every_weight_as_bitsandbytes_own_step_does(device, p
     assert all(w.untyped_storage().data_ptr() == storage for w in flat.freetune_flats[0].weights)
     assert flat_weights[4].untyped_storage().data_ptr() != storage
     assert (flat_weights[6].untyped_storage().data_ptr() == storage) is not paged
+    # Padded sizes 8192, 4096, 4864, 4864, 8448 (and 112,000 unless paged): within 9,000 values only the 2nd and 3rd
+    # go together; the largest, above the limit, is a chunk of its own.
+    expected = [(0, 1), (1, 3), (3, 4), (4, 5)] + ([] if paged else [(5, 6)]) if chunk_values else [(0, flat_count)]
+    assert flat.freetune_flats[0].chunks == expected
 
     # Step 3 leaves one weight without a gradient: that step and the next run per weight, as bitsandbytes would.
     _run(plain, plain_weights, range(6), skip_at=3)

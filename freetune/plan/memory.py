@@ -300,9 +300,9 @@ def estimate(shape: ModelShape, *, max_length: int, micro_batch: int, lora_rank:
     cast_once = lora_kernel == "fused" and world_size == 1 and shards == 1
     lora = trainable * (4 + 4 + (4 if world_size > 1 else 0) + (2 if cast_once else 0))
     state_bytes = OPTIMIZER_STATE_BYTES.get(optimizer.lower(), 8)  # unknown optimizers: AdamW's 8, the safe side
-    # The one-launch 8-bit AdamW (freetune.speed.optimizer) concatenates the gradients during its step (4 bytes per
-    # LoRA weight): then the activations, the loss head and the 16-bit copies are gone, so the backward's peak, which
-    # this estimate is, stays the larger.
+    # The one-launch 8-bit AdamW (freetune.speed.optimizer) concatenates the gradients during its step, 16 MiB at a
+    # time: then the activations, the loss head and the 16-bit copies are gone, so the backward's peak, which this
+    # estimate is, stays the larger (all at once, 4 bytes per LoRA weight, it was not on Qwen3-8B's shape).
     optimizer_state = trainable * state_bytes
     if shards > 1:
         width = 2 if _is_16bit(compute_dtype) else 4

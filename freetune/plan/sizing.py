@@ -122,7 +122,7 @@ GRAPHS_LOSS_TILE_TOKENS = 512
 # Fused AdamW measured +5-7% tokens/s with the graphs (GPU-bound long rows, docs/performance.md, issue 49), but its
 # ~72 MiB more state for TinyLlama put the 4 GiB plan over Unsloth's peak on bench.py's default rows: 8-bit AdamW stays.
 GRAPHS_OPTIMIZER = Decision("adamw_8bit", "8-bit AdamW: a quarter of fused AdamW's state, which pays for the CUDA "
-                                          "graphs' buffers; one launch updates every LoRA weight "
+                                          "graphs' buffers; a launch per 16 MiB of LoRA weights updates them "
                                           "(freetune.speed.optimizer)")
 GRAPHS_LOSS_TILE = Decision(GRAPHS_LOSS_TILE_TOKENS, f"{GRAPHS_LOSS_TILE_TOKENS:,} tokens per tile: the CUDA graphs' "
                                                      f"buffers are paid for here")

@@ -1,4 +1,4 @@
-"""bitsandbytes' 8-bit AdamW with one launch for every LoRA weight of a parameter group, not one per weight.
+"""bitsandbytes' 8-bit AdamW with a launch per 16 MiB of LoRA weights, not a launch and a host sync per weight.
 
 Why: bitsandbytes 0.50's 8-bit AdamW updates each parameter with a kernel launch of its own, its own Python, and a
 torch.cuda.synchronize() after each. A LoRA model has hundreds of small weights (TinyLlama, every linear layer: 308):
@@ -15,10 +15,11 @@ How (one_launch, called by FreetuneTrainer.create_optimizer on the optimizer the
   the padding between them gets zero gradients and nothing reads it (its 8-bit moments dequantise below its block's
   largest value, so they never set a block's scale). The weights are the same Parameter objects, so the model, the
   gradient scaler and the clipping see nothing new; only their storage is shared.
-- A step concatenates the weights' gradients (one copy, with the padding) and runs one update over the flat tensor and
-  its state. Weights outside a flat tensor take bitsandbytes' own update. Paged state (paged_adamw_8bit's, for
-  weights of at least 100,000 values) is copied asynchronously: one synchronisation at the end of the step, not one
-  per weight.
+- A step concatenates the weights' gradients (with the padding) and runs one update over the flat tensor and its state,
+  in chunks of whole weights of at most GRADIENT_CHUNK_VALUES values: the concatenated gradients are the step's own
+  memory, and one copy of an 8B model's (43.6 M LoRA values, 166 MiB) raised the run's peak by 80 MiB. Weights outside a
+  flat tensor take bitsandbytes' own update. Paged state (paged_adamw_8bit's, for weights of at least 100,000 values) is
+  copied asynchronously: one synchronisation at the end of the step, not one per weight.
 - A step where some weight of a flat tensor has no gradient updates each of its weights on its own slice of the
   state, as bitsandbytes would (the one without is skipped and keeps its step count); the single launch resumes once
   every weight's count is the same again.
@@ -41,6 +42,11 @@ from freetune.distributed import print0
 from freetune.errors import FreetuneError
 from freetune.reach import peft_bnb
 
+# 16 MiB of fp32 gradients concatenated at a time, small beside the backward's peak (activations, the loss head, the
+# LoRA weights' 16-bit copies). All at once they were not: on Qwen3-8B's shape at the T4 cap they set the run's peak,
+# +80 MiB (docs/performance.md). A few launches a step (TinyLlama 4, Qwen3-8B 11), none of them waiting for the GPU.
+GRADIENT_CHUNK_VALUES = 4 * 2**20
+
 
 @dataclass
 class FlatWeights:
@@ -53,6 +59,7 @@ class FlatWeights:
     pointers: list                  # each weight's data_ptr() when moved (a change means its storage was replaced)
     steps: list                     # each weight's update count (bitsandbytes' per-parameter "step")
     padding: list = field(default_factory=list)  # [(index of the weight before it, zeros)] between segments
+    chunks: list = field(default_factory=list)   # [(first, end)]: weights updated together (GRADIENT_CHUNK_VALUES)
     state: dict | None = None       # bitsandbytes' state for `tensor`, made at the first update
 
     def slices(self, i: int) -> tuple[slice, slice]:
@@ -60,6 +67,19 @@ class FlatWeights:
         n = self.weights[i].numel()
         first = self.offsets[i] // peft_bnb.OPTIMIZER_BLOCK
         return slice(self.offsets[i], self.offsets[i] + n), slice(first, first + -(-n // peft_bnb.OPTIMIZER_BLOCK))
+
+    def chunk(self, first: int, end: int) -> tuple[slice, slice]:
+        """Weights first..end-1's values, with their padding, and their absmax blocks in the flat tensor and state."""
+        stop = self.offsets[end] if end < len(self.weights) else self.offsets[-1] + _padded(self.weights[-1].numel())
+        block = peft_bnb.OPTIMIZER_BLOCK
+        return slice(self.offsets[first], stop), slice(self.offsets[first] // block, stop // block)
+
+    def state_of(self, values: slice, blocks: slice) -> dict:
+        """bitsandbytes' state for the flat tensor's `values` (1-D views of the flat state)."""
+        state = {key: value for key, value in self.state.items() if key.startswith("qmap")}
+        state.update({key: self.state[key][values] for key in ("state1", "state2")})
+        state.update({key: self.state[key][blocks] for key in ("absmax1", "absmax2")})
+        return state
 
 
 def _padded(n: int) -> int:
@@ -87,10 +107,21 @@ def flatten(optimizer) -> list[FlatWeights]:
                 offsets.append(offsets[-1] + _padded(weight.numel()))
             padding = [(i, torch.zeros(_padded(w.numel()) - w.numel(), dtype=dtype, device=device))
                        for i, w in enumerate(weights) if w.numel() % peft_bnb.OPTIMIZER_BLOCK]
-            flat = FlatWeights(gindex, weights, offsets, None, [], [0] * len(weights), padding)
+            flat = FlatWeights(gindex, weights, offsets, None, [], [0] * len(weights), padding,
+                               _chunks(offsets, [_padded(w.numel()) for w in weights]))
             _place(flat, device, dtype)
             flats.append(flat)
     return flats
+
+
+def _chunks(offsets: list, sizes: list) -> list:
+    """[(first, end)] runs of consecutive weights of at most GRADIENT_CHUNK_VALUES values (a larger weight alone)."""
+    chunks, first = [], 0
+    for i in range(1, len(sizes)):
+        if offsets[i] + sizes[i] - offsets[first] > GRADIENT_CHUNK_VALUES:
+            chunks.append((first, i))
+            first = i
+    return chunks + [(first, len(sizes))]
 
 
 def _place(flat: FlatWeights, device, dtype) -> None:
@@ -170,20 +201,21 @@ class OneLaunchSteps:
         if any(g is None for g in grads) or len(set(flat.steps)) > 1:
             for i, (weight, grad) in enumerate(zip(flat.weights, grads)):
                 if grad is not None:
-                    values, blocks = flat.slices(i)
-                    state = {key: value for key, value in flat.state.items() if key.startswith("qmap")}
-                    for key in ("state1", "state2"):
-                        state[key] = flat.state[key][values].view_as(weight)
-                    for key in ("absmax1", "absmax2"):
-                        state[key] = flat.state[key][blocks]
                     flat.steps[i] += 1
-                    peft_bnb.adam_8bit_update(self, group, grad.contiguous(), weight, state, flat.steps[i])
+                    peft_bnb.adam_8bit_update(self, group, grad.reshape(-1), weight.view(-1),
+                                              flat.state_of(*flat.slices(i)), flat.steps[i])
             return
-        pieces = [g.reshape(-1) for g in grads]
-        for i, zeros in reversed(flat.padding):
-            pieces.insert(i + 1, zeros)
         step = flat.steps[0] + 1
-        peft_bnb.adam_8bit_update(self, group, torch.cat(pieces), flat.tensor, flat.state, step)
+        padding = dict(flat.padding)
+        for first, end in flat.chunks:
+            pieces = []
+            for i in range(first, end):
+                pieces.append(grads[i].reshape(-1))
+                if i in padding:
+                    pieces.append(padding[i])
+            values, blocks = flat.chunk(first, end)
+            state = flat.state_of(values, blocks)
+            peft_bnb.adam_8bit_update(self, group, torch.cat(pieces), flat.tensor[values], state, step)
         flat.steps = [step] * len(flat.weights)
 
     def state_dict(self):
