@@ -21,7 +21,7 @@ How (one_launch, called by FreetuneTrainer.create_optimizer on the optimizer the
   flat tensor take bitsandbytes' own update. Paged state (paged_adamw_8bit's, for weights of at least 100,000 values) is
   copied asynchronously: one synchronisation at the end of the step, not one per weight.
 - A step where some weight of a flat tensor has no gradient updates each of its weights on its own slice of the
-  state, as bitsandbytes would (the one without is skipped and keeps its step count); the single launch resumes once
+  state, as bitsandbytes would (the one without is skipped and keeps its step count); the joint update resumes once
   every weight's count is the same again.
 - state_dict() gives each weight its own state (views of its slices) in bitsandbytes' format, so a checkpoint loads
   into either optimizer; load_state_dict() packs each weight's state back into the flat tensors.
