@@ -58,7 +58,7 @@ class FlatWeights:
     tensor: object                  # the flat tensor (set by _place); each weight's .data is a view of it
     pointers: list                  # each weight's data_ptr() when moved (a change means its storage was replaced)
     steps: list                     # each weight's update count (bitsandbytes' per-parameter "step")
-    padding: list = field(default_factory=list)  # [(index of the weight before it, zeros)] between segments
+    padding: dict = field(default_factory=dict)  # {index of the weight before it: zeros} between segments
     chunks: list = field(default_factory=list)   # [(first, end)]: weights updated together (GRADIENT_CHUNK_VALUES)
     state: dict | None = None       # bitsandbytes' state for `tensor`, made at the first update
 
@@ -105,8 +105,8 @@ def flatten(optimizer) -> list[FlatWeights]:
             offsets = [0]
             for weight in weights[:-1]:
                 offsets.append(offsets[-1] + _padded(weight.numel()))
-            padding = [(i, torch.zeros(_padded(w.numel()) - w.numel(), dtype=dtype, device=device))
-                       for i, w in enumerate(weights) if w.numel() % peft_bnb.OPTIMIZER_BLOCK]
+            padding = {i: torch.zeros(_padded(w.numel()) - w.numel(), dtype=dtype, device=device)
+                       for i, w in enumerate(weights) if w.numel() % peft_bnb.OPTIMIZER_BLOCK}
             flat = FlatWeights(gindex, weights, offsets, None, [], [0] * len(weights), padding,
                                _chunks(offsets, [_padded(w.numel()) for w in weights]))
             _place(flat, device, dtype)
@@ -135,7 +135,7 @@ def _place(flat: FlatWeights, device, dtype) -> None:
             view.copy_(weight)
             weight.data = view
     flat.tensor, flat.pointers = tensor, [w.data_ptr() for w in flat.weights]
-    flat.padding = [(i, zeros.to(device=device, dtype=dtype)) for i, zeros in flat.padding]
+    flat.padding = {i: zeros.to(device=device, dtype=dtype) for i, zeros in flat.padding.items()}
 
 
 def rehome(flat: FlatWeights) -> None:
@@ -206,13 +206,12 @@ class OneLaunchSteps:
                                               flat.state_of(*flat.slices(i)), flat.steps[i])
             return
         step = flat.steps[0] + 1
-        padding = dict(flat.padding)
         for first, end in flat.chunks:
             pieces = []
             for i in range(first, end):
                 pieces.append(grads[i].reshape(-1))
-                if i in padding:
-                    pieces.append(padding[i])
+                if i in flat.padding:
+                    pieces.append(flat.padding[i])
             values, blocks = flat.chunk(first, end)
             state = flat.state_of(values, blocks)
             peft_bnb.adam_8bit_update(self, group, torch.cat(pieces), flat.tensor[values], state, step)
