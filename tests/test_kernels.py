@@ -291,6 +291,58 @@ def test_a_compiled_layer_saves_its_dropout_masks_as_bits(tiny_model_dir):
     assert masks["compiled"] == {(torch.uint8, 15 * -(-layer.in_features // 8))}
 
 
+def test_a_compiled_layer_without_dropout_saves_no_more_than_with_it(tiny_model_dir):
+    """The memory estimate's per-token coefficients were measured with LoRA dropout 0.05; with dropout 0 a compiled
+    layer must keep no more for its backward. It kept the norms' outputs and the MLP's down-projection input as well
+    (torch's partitioner never recomputes what a backward matmul reads), until compile_settings let it recompute
+    them: 2.5 GiB over the plan's estimate on a T4 run. Counted here on the GPU's own layout, the frozen weights and
+    the residual stream in 16 bits (freetune.model's path), through the min-cut partitioner that inductor uses."""
+    import torch._dynamo
+    from peft import LoraConfig, get_peft_model
+    from saved_tensors import saved_for_backward
+    from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
+
+    def saved_per_token(dropout: float) -> float:
+        """Bytes autograd saves per token (weights excluded): the difference between forwards of 128 and 64 tokens."""
+        torch.manual_seed(0)
+        quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                   bnb_4bit_compute_dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.bfloat16,
+                                                     quantization_config=quant)
+        for param in model.parameters():
+            param.requires_grad_(False)
+        model.enable_input_require_grads()
+        model = get_peft_model(model, LoraConfig(r=8, lora_dropout=dropout, target_modules="all-linear",
+                                                 task_type="CAUSAL_LM"))
+        model.train()
+        lora_kernel.use_fused_lora(model, keep_8bit_absmax=True)
+        torch._dynamo.reset()
+        compiled_layers.compile_layers(model, backend="aot_eager")
+        totals = {}
+        try:
+            for tokens in (64, 128):
+                ids = torch.randint(3, 500, (1, tokens))
+                positions = torch.arange(tokens // 4).repeat(4)[None]
+                totals[tokens], out = saved_for_backward(
+                    model, lambda: model(input_ids=ids, position_ids=positions, labels=ids))
+                out.loss.backward()
+                assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
+        finally:
+            torch._dynamo.reset()
+        return (totals[128] - totals[64]) / 64
+
+    with_dropout, without = saved_per_token(0.05), saved_per_token(0.0)
+    # Without dropout there are no masks to keep (1 bit per input element of each projection: q, k, v, gate and up read
+    # the hidden states, o the attention's output, down the MLP's intermediate ones), nor the dropped copy of an input
+    # that a layer with dropout keeps. With the norms' outputs and the down projection's input kept, this was
+    # 2 x (hidden + intermediate) 16-bit values a token and layer over the dropout run's count.
+    config = AutoConfig.from_pretrained(str(tiny_model_dir))
+    head_dim = config.hidden_size // config.num_attention_heads
+    inputs = 5 * config.hidden_size + config.num_attention_heads * head_dim + config.intermediate_size
+    masks = config.num_hidden_layers * inputs / 8
+    assert without <= with_dropout - masks, (without, with_dropout, masks)
+
+
 def test_evaluation_and_unsupported_layers_keep_peft_forward(tiny_model_dir):
     model = quantized_lora_model(tiny_model_dir, torch.float32)
     lora_kernel.use_fused_lora(model)

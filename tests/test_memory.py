@@ -142,6 +142,7 @@ def test_activation_coefficients_match_the_saved_tensors_of_the_real_stack(tmp_p
     under autocast for 16-bit compute) and compare with the coefficients the estimate uses."""
     import torch
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from saved_tensors import saved_for_backward
     from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
 
     dtype = getattr(torch, compute_dtype)
@@ -159,20 +160,11 @@ def test_activation_coefficients_match_the_saved_tensors_of_the_real_stack(tmp_p
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
         model = get_peft_model(model, LoraConfig(r=16, lora_dropout=0.05, target_modules="all-linear",
                                                  task_type="CAUSAL_LM"), autocast_adapter_dtype=True)
-        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
         totals = {}
         for seq in (128, 256):
-            storages = {}
-
-            def pack(t):
-                if t.untyped_storage().data_ptr() not in weights:
-                    storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-                return t
-
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-                    torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
-                model.base_model.model.model(input_ids=torch.randint(0, 512, (1, seq)))
-            totals[seq] = sum(storages.values())
+            with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+                totals[seq], _ = saved_for_backward(
+                    model, lambda: model.base_model.model.model(input_ids=torch.randint(0, 512, (1, seq))))
         return totals
 
     # One more layer and more tokens: the difference is one layer's bytes per token, free of fixed costs

@@ -136,7 +136,8 @@ COMPILED_ACTIVATION_SHARE = 0.34
 FUSED_DROPOUT_SAVING = dict(hidden=10, q=2, intermediate=2)
 # ... and, compiled, it saves each projection's dropout mask packed, 1 bit per input element instead of the byte these
 # counts (and the compiled share) were measured with: this many bytes per input element less (LoRA dropout > 0
-# assumed, as in the recipes).
+# assumed, as in the recipes; with dropout 0 a compiled layer keeps no mask and no more of anything else,
+# freetune.reach.torch.compile_settings, so the estimate is then over by the masks).
 PACKED_MASK_SAVING = 7 / 8
 
 
