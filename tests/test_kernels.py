@@ -334,8 +334,8 @@ def test_a_compiled_layer_without_dropout_saves_no_more_than_with_it(tiny_model_
     with_dropout, without = saved_per_token(0.05), saved_per_token(0.0)
     # Without dropout there are no masks to keep (1 bit per input element of each projection: q, k, v, gate and up read
     # the hidden states, o the attention's output, down the MLP's intermediate ones), nor the dropped copy of an input
-    # that a layer with dropout keeps. With the norms' outputs and the down projection's input kept, this was
-    # 2 x (hidden + intermediate) 16-bit values a token and layer over the dropout run's count.
+    # that a layer with dropout keeps. With the norms' outputs and the down projection's input kept (2 x hidden +
+    # intermediate 16-bit values a token and layer), it came out over the dropout run's count.
     config = AutoConfig.from_pretrained(str(tiny_model_dir))
     head_dim = config.hidden_size // config.num_attention_heads
     inputs = 5 * config.hidden_size + config.num_attention_heads * head_dim + config.intermediate_size

@@ -27,11 +27,11 @@ def compile_settings() -> None:
     torch._functorch.config.cse = False
     # With LoRA dropout 0 the fused function's backward reads its input itself (dropout > 0 reads input x mask), and
     # the partitioner never recomputes what a backward matmul reads: each compiled layer kept both norms' outputs and
-    # the MLP's down-projection input (act(gate) x up) for its backward, 24 KB a token more on Qwen2.5-1.5B's widths
-    # (counted on a CPU), over what the memory estimate counts. A T4-capped run with dropout 0 peaked at 13.6 GiB, the
-    # same plan with dropout 0.05 (and fused AdamW's larger state) at 10.6 (docs/performance.md). Recomputed instead,
-    # from the layer's input and the gate and up outputs it saves anyway: element-wise work, what a layer with dropout
-    # > 0 does already.
+    # the MLP's down-projection input (act(gate) x up) for its backward, 24 KB a token and layer more on
+    # Qwen2.5-1.5B's widths (counted on a CPU) than the memory estimate counts. A T4-capped run with dropout 0 peaked
+    # at 13.6 GiB, the same plan with dropout 0.05 (and fused AdamW's larger state) at 10.6 (docs/performance.md).
+    # Recomputed instead, from the layer's input and the gate and up outputs it saves anyway: element-wise work, what
+    # a layer with dropout > 0 does already.
     torch._functorch.config.ban_recompute_materialized_backward = False
     # One compiled graph serves every layer of a model (same code, different weights): the cache must hold at
     # least one entry per layer's guards.
