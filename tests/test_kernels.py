@@ -13,8 +13,10 @@ from freetune.plan import GPU, Hardware, make_plan
 from freetune.speed import compiled_layers, lora_kernel, nf4
 
 
-def quantized_lora_model(model_dir, dtype, dropout=0.0, **lora):
-    """The tiny model in NF4 with LoRA on every linear layer and non-zero B (as after some training)."""
+def quantized_lora_model(model_dir, dtype, dropout=0.0, frozen_16bit=False, **lora):
+    """The tiny model in NF4 with LoRA on every linear layer and non-zero B (as after some training). frozen_16bit:
+    the frozen weights and the residual stream stay in `dtype`, as freetune.model keeps them on a GPU
+    (Plan.frozen_dtype), instead of peft's fp32 upcast."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -23,7 +25,12 @@ def quantized_lora_model(model_dir, dtype, dropout=0.0, **lora):
                                bnb_4bit_compute_dtype=dtype)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, quantization_config=quant,
                                                  attn_implementation="sdpa")
-    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    if frozen_16bit:
+        for param in model.parameters():
+            param.requires_grad_(False)
+        model.enable_input_require_grads()
+    else:
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=dropout, target_modules="all-linear",
                                              task_type="CAUSAL_LM", **lora))
     for name, param in model.named_parameters():
@@ -298,23 +305,12 @@ def test_a_compiled_layer_without_dropout_saves_no_more_than_with_it(tiny_model_
     them: 2.5 GiB over the plan's estimate on a T4 run. Counted here on the GPU's own layout, the frozen weights and
     the residual stream in 16 bits (freetune.model's path), through the min-cut partitioner that inductor uses."""
     import torch._dynamo
-    from peft import LoraConfig, get_peft_model
     from saved_tensors import saved_for_backward
-    from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers import AutoConfig
 
     def saved_per_token(dropout: float) -> float:
         """Bytes autograd saves per token (weights excluded): the difference between forwards of 128 and 64 tokens."""
-        torch.manual_seed(0)
-        quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                   bnb_4bit_compute_dtype=torch.bfloat16)
-        model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.bfloat16,
-                                                     quantization_config=quant)
-        for param in model.parameters():
-            param.requires_grad_(False)
-        model.enable_input_require_grads()
-        model = get_peft_model(model, LoraConfig(r=8, lora_dropout=dropout, target_modules="all-linear",
-                                                 task_type="CAUSAL_LM"))
-        model.train()
+        model = quantized_lora_model(tiny_model_dir, torch.bfloat16, dropout=dropout, frozen_16bit=True)
         lora_kernel.use_fused_lora(model, keep_8bit_absmax=True)
         torch._dynamo.reset()
         compiled_layers.compile_layers(model, backend="aot_eager")
