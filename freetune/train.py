@@ -159,18 +159,23 @@ def train(model, tokenizer, train_dataset, config, *, paths: Paths, plan: Plan |
     warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
     start = time.time()
     try:
-        with checkpoint.sigterm_stops(stopper), _disk_full_explained(paths):
-            result = trainer.train(resume_from_checkpoint=resume_from)
+        try:
+            with checkpoint.sigterm_stops(stopper), _disk_full_explained(paths):
+                result = trainer.train(resume_from_checkpoint=resume_from)
+        finally:
+            if hub is not None:
+                hub.close()
+        wall = time.time() - start
+        _check_trained(trainer, guard, config, paths)
+        summary = _summary(trainer, result, wall, stopper.reason, resume_from, paths)
+        # Saved before the speed-ups are undone: undoing them can take GPU memory (the input embeddings come back
+        # from host RAM: Qwen3-8B's 1.16 GiB), and the adapter must be on disk before anything can run out of it.
+        with _disk_full_explained(paths):
+            _save(trainer, tokenizer, summary, paths, sharded=bool(getattr(config, "fsdp", None)))
     finally:
-        if hub is not None:
-            hub.close()
+        trainer.release_optimizer_state()  # training is over, or failed: its moments would only hold the GPU
         for undo in undo_speed_ups:  # the model may go on to generate and export: eager layers, as loaded
             undo()
-    wall = time.time() - start
-    _check_trained(trainer, guard, config, paths)
-    summary = _summary(trainer, result, wall, stopper.reason, resume_from, paths)
-    with _disk_full_explained(paths):
-        _save(trainer, tokenizer, summary, paths, sharded=bool(getattr(config, "fsdp", None)))
     if stopper.reason:
         print0(f"Stopped early at step {summary['steps']} of {summary['max_steps']} ({stopper.reason}). The adapter so "
                f"far is in {paths.adapter}; run this again with the same run_name to continue from the checkpoint.")

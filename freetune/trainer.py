@@ -159,6 +159,20 @@ class FreetuneTrainer(SFTTrainer):
             self.optimizer = one_launch_optimizer.one_launch(optimizer)
         return self.optimizer
 
+    def release_optimizer_state(self) -> None:
+        """Free the optimizer's moments once training is over (freetune.train, before it undoes the speed-ups):
+        2 bytes a LoRA value with 8-bit AdamW, 8 with fp32 AdamW, still on the GPU when the input embeddings came back
+        from host RAM after training, which set the run's peak on Qwen3-8B's shape (docs/performance.md). A resume
+        reads the moments from the last checkpoint; freetune.train makes a Trainer per run, and this one's optimizer
+        is dropped rather than left without its moments."""
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's AcceleratedOptimizer wraps it
+        if optimizer is None:
+            return
+        optimizer.state.clear()
+        for flat in getattr(optimizer, "freetune_flats", ()):  # the one-launch 8-bit AdamW's (its weights stay)
+            flat.state = None
+        self.optimizer = self.lr_scheduler = None
+
     @written_against("transformers 5.17")
     def _clip_grad_norm(self, model):
         # transformers hands accelerate model.parameters() at every step (every module walked again); only the

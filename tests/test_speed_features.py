@@ -7,6 +7,7 @@ CUDA graphs the plan asks for cannot (no GPU) and say so.
 
 import gc
 import re
+from pathlib import Path
 
 import torch
 
@@ -24,9 +25,27 @@ def test_each_feature_module_exposes_one_feature_in_the_listed_order():
 
 
 def test_training_installs_the_chosen_features_in_order_says_why_one_steps_aside_and_undoes_them(
-        tiny_model_dir, tmp_path, capsys):
+        tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """...and saves the adapter before it undoes them (undoing the host embeddings takes GPU memory), and frees the
+    optimizer's moments first."""
     import freetune
     from freetune.plan import Plan
+    from transformers import TrainerCallback
+
+    seen = {}
+
+    class Optimizer(TrainerCallback):
+        def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+            seen["optimizer"] = getattr(optimizer, "optimizer", optimizer)  # under accelerate's wrapper
+            seen["moments"] = len(seen["optimizer"].state)
+
+    real_save = freetune.train._save
+
+    def save(trainer, *args, **kwargs):
+        seen["installed_at_save"] = lora_kernel.casts_once(trainer.model)
+        return real_save(trainer, *args, **kwargs)
+
+    monkeypatch.setattr(freetune.train, "_save", save)
 
     plan = Plan.build(device="cpu", compute_dtype="float32", mixed_precision="no", attn_implementation="sdpa",
                 micro_batch=2, grad_accum=1, gradient_checkpointing=False, batching="padding_free",
@@ -36,7 +55,8 @@ def test_training_installs_the_chosen_features_in_order_says_why_one_steps_aside
     config = freetune.sft_config.make_config(paths, plan, max_steps=2, learning_rate=1e-3, max_length=64,
                                         logging_steps=1, save_steps=100, save_total_limit=2, seed=0)
     tokenizer = freetune.model.load_tokenizer(str(tiny_model_dir))
-    summary = freetune.train.train(model, tokenizer, varied_rows(), config, plan=plan, paths=paths, resume=False)
+    summary = freetune.train.train(model, tokenizer, varied_rows(), config, plan=plan, paths=paths, resume=False,
+                                   extra_callbacks=[Optimizer()])
     out = capsys.readouterr().out
 
     assert summary["steps"] == 2 and summary["last_loss"] == summary["last_loss"]  # trained, loss not NaN
@@ -52,3 +72,7 @@ def test_training_installs_the_chosen_features_in_order_says_why_one_steps_aside
     # Undone: no cast-once hook or mark left on the model, the garbage collector no longer frozen.
     assert not lora_kernel.casts_once(model) and not model._forward_pre_hooks
     assert gc.get_freeze_count() == 0
+    # The adapter was written while the features were still installed; the optimizer's moments (one entry per LoRA
+    # weight while training) are gone.
+    assert seen["installed_at_save"] is True and (Path(paths.adapter) / "adapter_config.json").is_file()
+    assert seen["moments"] > 0 and len(seen["optimizer"].state) == 0
