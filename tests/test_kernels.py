@@ -366,7 +366,7 @@ def test_compiled_layers_train_like_eager_ones(tiny_model_dir, checkpointing, ke
     of one flat tensor (freetune.speed.optimizer's one-launch 8-bit AdamW, made before the layers are compiled, as the
     Trainer does), inputs of the graphs that share one storage."""
     import torch._dynamo
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import clear_compilation_metrics, counters, get_compilation_metrics
 
     eager = quantized_lora_model(tiny_model_dir, torch.float32)
     compiled = quantized_lora_model(tiny_model_dir, torch.float32)
@@ -387,6 +387,7 @@ def test_compiled_layers_train_like_eager_ones(tiny_model_dir, checkpointing, ke
         assert sum(len(flat.weights) for flat in optimizer.freetune_flats) == len(trainable)
     torch._dynamo.reset()
     counters.clear()
+    clear_compilation_metrics()
     assert compiled_layers.compile_layers(compiled, backend="aot_eager") == len(compiled.get_base_model().model.layers)
     torch._dynamo.config.suppress_errors = False  # here a layer that fails to compile must fail the test
     weight_shapes = {tuple(m.base_layer.weight.quant_state.shape) for m in compiled.modules()
@@ -412,7 +413,13 @@ def test_compiled_layers_train_like_eager_ones(tiny_model_dir, checkpointing, ke
                 assert torch.allclose(got[1][name], grad, rtol=1e-3, atol=1e-6), name
             eager.zero_grad()
             compiled.zero_grad()
-            graphs.append(counters["stats"]["unique_graphs"])
+            # torch 2.11 now and then compiles a layer again although none of the cached graph's guards fails when
+            # dynamo checks them again; it then gives "BACKEND_MATCH failure" as the reason (pytorch/pytorch#168373's
+            # message: the backend is compared at another depth of its wrappers). Seen in about 1 of 6 runs of the
+            # checkpointed cast-once case, not on torch 2.10 or 2.13. Such a graph is not one for a new length and is
+            # not counted; a recompile that a guard explains (a length specialised) is.
+            unexplained = [m for m in get_compilation_metrics() if "BACKEND_MATCH" in (m.recompile_reason or "")]
+            graphs.append(counters["stats"]["unique_graphs"] - len(unexplained))
     finally:
         torch._as_tensor_fullprec = real_wrap
         torch._dynamo.reset()
