@@ -416,8 +416,8 @@ def test_compiled_layers_train_like_eager_ones(tiny_model_dir, checkpointing, ke
             # torch 2.11 now and then compiles a layer again although none of the cached graph's guards fails when
             # dynamo checks them again; it then gives "BACKEND_MATCH failure" as the reason (pytorch/pytorch#168373's
             # message: the backend is compared at another depth of its wrappers). Seen in about 1 of 6 runs of the
-            # checkpointed cast-once case, not on torch 2.10 or 2.13. Such a graph is not one for a new length and is
-            # not counted; a recompile that a guard explains (a length specialised) is.
+            # checkpointed cast-once case, not seen on torch 2.10 or 2.13. Such a graph is not one for a new length
+            # and is not counted; a recompile that a guard explains (a length specialised) is.
             unexplained = [m for m in get_compilation_metrics() if "BACKEND_MATCH" in (m.recompile_reason or "")]
             graphs.append(counters["stats"]["unique_graphs"] - len(unexplained))
     finally:
