@@ -165,12 +165,10 @@ class FreetuneTrainer(SFTTrainer):
         from host RAM after training, which set the run's peak on Qwen3-8B's shape (docs/performance.md). A resume
         reads the moments from the last checkpoint; freetune.train makes a Trainer per run, and this one's optimizer
         is dropped rather than left without its moments."""
-        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's AcceleratedOptimizer wraps it
-        if optimizer is None:
+        if self.optimizer is None:
             return
-        optimizer.state.clear()
-        for flat in getattr(optimizer, "freetune_flats", ()):  # the one-launch 8-bit AdamW's (its weights stay)
-            flat.state = None
+        # accelerate's AcceleratedOptimizer wraps the optimizer the Trainer made
+        one_launch_optimizer.release_state(getattr(self.optimizer, "optimizer", self.optimizer))
         self.optimizer = self.lr_scheduler = None
 
     @written_against("transformers 5.17")

@@ -266,6 +266,14 @@ class OneLaunchSteps:
 _CLASSES: dict = {}
 
 
+def release_state(optimizer) -> None:
+    """Drop a torch or bitsandbytes optimizer's state (its moments), the flat tensors' state of one made by one_launch
+    included; the weights stay where they are (freetune.trainer.FreetuneTrainer.release_optimizer_state)."""
+    optimizer.state.clear()
+    for flat in getattr(optimizer, "freetune_flats", ()):
+        flat.state = None
+
+
 def one_launch(optimizer):
     """`optimizer` with its weights in flat tensors and OneLaunchSteps' step where it is bitsandbytes' blockwise 8-bit
     Adam (the same object, its class extended); any other optimizer as it is, with a line that says why where it is a
