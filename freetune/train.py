@@ -168,8 +168,7 @@ def train(model, tokenizer, train_dataset, config, *, paths: Paths, plan: Plan |
         wall = time.time() - start
         _check_trained(trainer, guard, config, paths)
         summary = _summary(trainer, result, wall, stopper.reason, resume_from, paths)
-        # Saved before the speed-ups are undone: undoing them can take GPU memory (the input embeddings come back
-        # from host RAM: Qwen3-8B's 1.16 GiB), and the adapter must be on disk before anything can run out of it.
+        # Saved before the speed-ups are undone: the adapter must be on disk before anything that could fail runs.
         with _disk_full_explained(paths):
             _save(trainer, tokenizer, summary, paths, sharded=bool(getattr(config, "fsdp", None)))
     finally:

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from freetune import speed
-from freetune.speed import lora_kernel
+from freetune.speed import host_embeddings, lora_kernel
 from test_fast_path import run_paths, varied_rows
 from test_kernels import quantized_lora_model
 
@@ -26,8 +26,9 @@ def test_each_feature_module_exposes_one_feature_in_the_listed_order():
 
 def test_training_installs_the_chosen_features_in_order_says_why_one_steps_aside_and_undoes_them(
         tiny_model_dir, tmp_path, capsys, monkeypatch):
-    """...and saves the adapter before it undoes them (undoing the host embeddings takes GPU memory), and frees the
-    optimizer's moments first."""
+    """...and saves the adapter before it undoes them, frees the optimizer's moments first, and leaves the input
+    embeddings in host RAM (their return to the GPU was the 8B run's peak): the trained model still computes the same
+    logits there."""
     import freetune
     from freetune.plan import Plan
     from transformers import TrainerCallback
@@ -49,8 +50,11 @@ def test_training_installs_the_chosen_features_in_order_says_why_one_steps_aside
 
     plan = Plan.build(device="cpu", compute_dtype="float32", mixed_precision="no", attn_implementation="sdpa",
                 micro_batch=2, grad_accum=1, gradient_checkpointing=False, batching="padding_free",
-                lora_kernel="fused", mlp_kernel="chunked", cuda_graph_tokens=64, optimizer="adamw_torch")
+                lora_kernel="fused", mlp_kernel="chunked", cuda_graph_tokens=64, optimizer="adamw_torch",
+                embeddings_on_host=True)
     model = quantized_lora_model(tiny_model_dir, torch.float32)
+    # As host_embeddings.to_host leaves a table it moved off a GPU (on this machine the table's home is the CPU).
+    host_embeddings.attach(model.get_input_embeddings(), torch.device("cpu"))
     paths = run_paths(tmp_path, "speed")
     config = freetune.sft_config.make_config(paths, plan, max_steps=2, learning_rate=1e-3, max_length=64,
                                         logging_steps=1, save_steps=100, save_total_limit=2, seed=0)
@@ -76,3 +80,8 @@ def test_training_installs_the_chosen_features_in_order_says_why_one_steps_aside
     # weight while training) are gone.
     assert seen["installed_at_save"] is True and (Path(paths.adapter) / "adapter_config.json").is_file()
     assert seen["moments"] > 0 and len(seen["optimizer"].state) == 0
+    # The input embeddings are still looked up in host RAM, and give what the module's own lookup gives.
+    embedding = model.get_input_embeddings()
+    assert embedding.forward.__func__ is host_embeddings._host_forward
+    ids = torch.randint(0, embedding.num_embeddings, (2, 9), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(embedding(ids), torch.nn.functional.embedding(ids, embedding.weight))

@@ -1,4 +1,4 @@
-"""The input embeddings in host RAM while training, where GPU memory is tight.
+"""The input embeddings in host RAM for training, where GPU memory is tight.
 
 Why: the input embedding table is a frozen weight that a step only reads a few thousand rows of (one per token).
 On a 4 GB card every megabyte counts: TinyLlama's table is 125 MiB in fp16, as much as a quarter of the 4-bit decoder
@@ -9,8 +9,12 @@ copy runs alongside the GPU's work. Unsloth does the same under memory pressure.
 Where the plan does it (freetune.plan.sizing.choose_embeddings): one GPU, every layer checkpointed, and an lm_head that is
 a weight of its own (a tied head would need the table on the GPU for the loss anyway). freetune.train moves the table
 to the host when training begins (`at_train_begin`: after accelerate's prepare, which moves every parameter of a
-model loaded on one device back to it) and back afterwards (`to_gpu`), so generation, evaluation after training and
-export see the model as loaded.
+model loaded on one device back to it).
+
+After training the table stays in host RAM, looked up there: moving it back would be the run's peak (on Qwen3-8B's
+shape at the T4 cap the table's 1.16 GiB came back on top of what the steps had left, above every step's peak), for a
+model the recipes delete right after training (their evaluation and export load the adapter from disk). Generation
+from the trained model in the same process works as it is, one lookup per new token. `to_gpu` moves it back.
 """
 
 from __future__ import annotations
@@ -75,8 +79,8 @@ def at_train_begin():
             if why_not(embedding):
                 print0(f"Input embeddings: stay on the GPU ({why_not(embedding)}).")
             if moved:
-                print0(f"Input embeddings: in host RAM while training, {moved / 2**20:,.0f} MiB off the GPU "
-                       f"(freetune.speed.host_embeddings).")
+                print0(f"Input embeddings: in host RAM for training and after it, {moved / 2**20:,.0f} MiB off the "
+                       f"GPU (freetune.speed.host_embeddings; to_gpu(model) moves them back).")
 
     return EmbeddingsToHost()
 
@@ -142,7 +146,7 @@ def _applies(plan, trainer) -> tuple[bool, str]:
 
 def _install(trainer, plan):
     trainer.add_callback(at_train_begin())
-    return lambda: to_gpu(trainer.model)  # and to export: the model as loaded
+    return None  # nothing to undo: the table stays in host RAM after training (the module's docstring says why)
 
 
 FEATURE = Feature("Input embeddings", _applies, _install)
