@@ -256,6 +256,16 @@ def test_the_plan_replays_the_layers_as_graphs_where_every_layer_is_checkpointed
     roomy = gpu_plan(80, lora_dropout=0.0, gradient_checkpointing="off")
     assert roomy.kernels.cuda_graph_tokens == 0 and "every layer checkpointed" in roomy.reasons["cuda_graphs"]
     assert gpu_plan(4, memory_budget_gib=4, optimizer="adamw_torch_fused").memory.optimizer == "adamw_torch_fused"
+    # A budget where fp32 state is too large a share (bench.py's plan at Unsloth's peak + 5%): paged 8-bit AdamW without
+    # the graphs, the one-launch 8-bit AdamW with them (the estimate counts both at 2 bytes per LoRA value).
+    tight = gpu_plan(14.5, memory_budget_gib=2.0, lora_dropout=0.0)
+    tight_dropout = gpu_plan(14.5, memory_budget_gib=2.0, lora_dropout=0.05)
+    assert tight.kernels.cuda_graph_tokens and tight.memory.optimizer == "adamw_8bit"
+    assert "not paged" in tight.reasons["optimizer"]
+    assert tight_dropout.kernels.cuda_graph_tokens == 0 and tight_dropout.memory.optimizer == "paged_adamw_8bit"
+    assert tight.memory.estimate.optimizer_gib == pytest.approx(tight_dropout.memory.estimate.optimizer_gib)
+    asked = gpu_plan(14.5, memory_budget_gib=2.0, lora_dropout=0.0, optimizer="paged_adamw_8bit")
+    assert asked.kernels.cuda_graph_tokens and asked.memory.optimizer == "paged_adamw_8bit"  # as given
 
 
 def test_the_t4_attention_takes_every_head_in_one_call_where_the_plan_has_room_for_the_copies(monkeypatch):

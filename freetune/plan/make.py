@@ -210,7 +210,7 @@ def _memory_step(draft: _Draft, sizing: _Sizing, **lora) -> None:
     if draft.cuda_graphs.value:
         draft.loss_tile = GRAPHS_LOSS_TILE
         settings = replace(settings, cuda_graphs=True, loss_tile_tokens=GRAPHS_LOSS_TILE.value)
-        if lora["optimizer_auto"] and draft.optimizer.value == "adamw_torch_fused":
+        if lora["optimizer_auto"] and draft.optimizer.value in ("adamw_torch_fused", "paged_adamw_8bit"):
             draft.optimizer = GRAPHS_OPTIMIZER
             settings = replace(settings, optimizer=GRAPHS_OPTIMIZER.value)
     warnings_before = len(draft.warnings)
