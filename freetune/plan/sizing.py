@@ -124,8 +124,8 @@ GRAPHS_LOSS_TILE_TOKENS = 512
 # Not paged either, where a tight budget chose paged 8-bit AdamW: the same 2 bytes per LoRA value in the estimate, but
 # bitsandbytes updates paged state a weight at a time after a sync (26 ms of a 320 ms GPU-bound step against 7 ms in
 # one launch, Qwen2.5-1.5B's long rows at the peer's memory, issue 49's fifth session of 2026-12-05).
-GRAPHS_OPTIMIZER = Decision("adamw_8bit", "8-bit AdamW, not paged: a quarter of fused AdamW's state, which pays for the "
-                                          "CUDA graphs' buffers; a launch per 16 MiB of LoRA weights updates them "
+GRAPHS_OPTIMIZER = Decision("adamw_8bit", "8-bit AdamW, not paged: a quarter of fused AdamW's state, which pays for "
+                                          "the CUDA graphs' buffers; a launch per 16 MiB of LoRA weights updates them "
                                           "(freetune.speed.optimizer), where paged state is updated a weight at a time")
 GRAPHS_LOSS_TILE = Decision(GRAPHS_LOSS_TILE_TOKENS, f"{GRAPHS_LOSS_TILE_TOKENS:,} tokens per tile: the CUDA graphs' "
                                                      f"buffers are paid for here")
