@@ -32,18 +32,21 @@ HOST_SCALE_ATTR = "_freetune_host_scale"
 def to_host(model) -> int:
     """Move `model`'s input embedding table to pinned host memory and make its forward look tokens up there, with the
     rows copied to the GPU it came from. Returns the bytes freed on the GPU (0 where nothing moved: no CUDA weight, a
-    table the output head shares, a max_norm embedding, or already on the host)."""
+    table the output head shares, a max_norm embedding, or already on the host).
+
+    A table that a later run finds on the GPU again with the host lookup still attached (a second train() of the same
+    model: accelerate's prepare moves it back) goes to the host again, the lookup kept."""
     import torch
 
     embedding = model.get_input_embeddings()
     weight = getattr(embedding, "weight", None)
-    if (weight is None or weight.device.type != "cuda" or stashed(embedding, HOME_ATTR) is not None
-            or getattr(embedding, "max_norm", None) is not None or _shares_head(model, weight)
-            or why_not(embedding)):
+    if (weight is None or weight.device.type != "cuda" or getattr(embedding, "max_norm", None) is not None
+            or _shares_head(model, weight) or why_not(embedding)):
         return 0
     home = weight.device
     weight.data = weight.data.to("cpu").pin_memory()
-    attach(embedding, home)
+    if stashed(embedding, HOME_ATTR) is None:
+        attach(embedding, home)
     torch.cuda.empty_cache()
     return weight.numel() * weight.element_size()
 
