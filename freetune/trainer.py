@@ -161,10 +161,10 @@ class FreetuneTrainer(SFTTrainer):
 
     def release_optimizer_state(self) -> None:
         """Free the optimizer's moments once training is over (freetune.train, before it undoes the speed-ups):
-        2 bytes a LoRA value with 8-bit AdamW, 8 with fp32 AdamW, still on the GPU when the input embeddings came back
-        from host RAM after training, which set the run's peak on Qwen3-8B's shape (docs/performance.md). A resume
-        reads the moments from the last checkpoint; freetune.train makes a Trainer per run, and this one's optimizer
-        is dropped rather than left without its moments."""
+        2 bytes a LoRA value with 8-bit AdamW, 8 with fp32 AdamW, that would otherwise hold the GPU for whatever runs
+        next in the process (generation, evaluation). A resume reads the moments from the last checkpoint;
+        freetune.train makes a Trainer per run, and this one's optimizer is dropped rather than left without its
+        moments."""
         if self.optimizer is None:
             return
         # accelerate's AcceleratedOptimizer wraps the optimizer the Trainer made
