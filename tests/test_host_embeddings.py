@@ -9,6 +9,7 @@ import torch
 from freetune.fixtures import cached_tiny_model
 from freetune.model import attach_lora, load_base_model
 from freetune.plan import Hardware, make_plan
+from freetune.reach.torch import stashed
 from freetune.speed import host_embeddings
 
 
@@ -91,3 +92,30 @@ def test_an_embedding_with_a_forward_of_its_own_stays_where_it_is():
 
     assert "Shifted has a forward of its own" in host_embeddings.why_not(Shifted(10, 4))
     assert host_embeddings.why_not(torch.nn.Embedding(10, 4)) == ""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the table moves from a GPU to the host")
+def test_a_table_moved_back_to_the_gpu_with_the_lookup_attached_goes_to_the_host_again():
+    """A second train() of the same model: accelerate's prepare moves the model to its GPU, the table (pinned host
+    memory) with it, while the host lookup is still attached. to_host puts it on the host again and keeps the lookup;
+    the logits stay the module's own throughout."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(cached_tiny_model("llama")), dtype=torch.float16).to("cuda")
+    embedding = model.get_input_embeddings()
+    ids = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0)).to("cuda")
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        assert host_embeddings.to_host(model) == embedding.weight.numel() * 2
+        assert embedding.weight.device.type == "cpu" and embedding.weight.is_pinned()
+        assert torch.equal(model(input_ids=ids).logits, want)
+
+        model.to("cuda")  # what the second run's prepare does
+        assert embedding.weight.device.type == "cuda" and stashed(embedding, host_embeddings.HOME_ATTR) is not None
+        assert host_embeddings.to_host(model) > 0
+        assert embedding.weight.device.type == "cpu" and embedding.weight.is_pinned()
+        assert embedding.forward.__func__ is host_embeddings._host_forward
+        assert torch.equal(model(input_ids=ids).logits, want)
+
+        assert host_embeddings.to_gpu(model) is True and embedding.weight.device.type == "cuda"
+        assert "forward" not in embedding.__dict__ and torch.equal(model(input_ids=ids).logits, want)
