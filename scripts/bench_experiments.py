@@ -23,7 +23,7 @@ from scripts.bench_prepare import ARCHITECTURE
 # (fp32_absmax is a plan setting under an experiment's name: job_plan turns it into keep_8bit_absmax=False.)
 EXPERIMENTS = ("liger", "cpp_wrapper", "combo_kernels", "dense_head", "no_packed_check", "pin_cores", "byte_masks",
                "fp32_absmax", "per_layer_casts", "copied_heads", "kv_head_calls", "trl_empty_cache", "no_triton",
-               "inline_dgrad", "skip_guards", "no_asserts", "gc_unfrozen", "lora_dropout", "full_recompute",
+               "op_dgrad", "skip_guards", "no_asserts", "gc_unfrozen", "lora_dropout", "full_recompute",
                "optimizer_per_tensor",
                "ddp_split", "static_graph", "bucket_view", "bucket_mb", "flat_sync")
 
@@ -72,14 +72,6 @@ def _turing_heads_copied(backends: dict) -> dict:
         raise MissingPatchTarget("copied_heads: freetune.speed.attention.POLICY_BACKENDS has no 'turing' policy")
     backends["turing"] = ("efficient_copied",)
     return backends
-
-
-def _dgrad_inline(old):
-    """The backward's input gradients d W written into the compiled graphs, not through freetune::dequantized_mm."""
-    import freetune.speed.nf4
-
-    dequantize = freetune.speed.nf4._dequantize
-    return lambda d, packed, absmax, spec, table=None: d @ dequantize(packed, absmax, spec, table)
 
 
 def _guards_skipped_after_warmup(step):
@@ -159,9 +151,9 @@ PATCHES: dict[str, tuple[Patch, ...]] = {
     "optimizer_per_tensor": (Patch("freetune.speed.optimizer", "one_launch", _set(lambda optimizer: optimizer)),),
     "trl_empty_cache": (Patch("freetune.reach.trl", "keep_cuda_cache_between_steps", _set(lambda trainer: False)),),
     "no_triton": (Patch("freetune.speed.nf4", "triton_for", _set(lambda t: None)),),
-    # (fewer op calls; inductor places the dequantisation, which the op exists to prevent: watch the peak; the
-    # tenth session's result is in docs/history.md)
-    "inline_dgrad": (Patch("freetune.speed.nf4", "times_dequantized", _dgrad_inline),),
+    # the backward's input gradients through freetune::dequantized_mm wherever the layers are compiled, as before issue
+    # 49's in-graph dequantisation (freetune.plan.memory.dequantises_backward_in_graph)
+    "op_dgrad": (Patch("freetune.speed.nf4", "dequantise_backward_in_graph", lambda old: lambda on: old(False)),),
     # Two more host costs of every compiled layer call (tenth session): guards, and the compiled graphs' wrapper
     # code checking every input's size and stride per call.
     "skip_guards": (Patch("freetune.trainer", "FreetuneTrainer.training_step", _guards_skipped_after_warmup),),

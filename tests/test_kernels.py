@@ -118,6 +118,19 @@ def test_a_backward_input_gradient_dequantises_its_weight_where_the_compiled_gra
     assert "torch.ops.freetune.dequantized_mm.default(" in "\n".join(codes)
     torch.testing.assert_close(compiled.float(), ((y_compiled * 2.0) @ want_w).float(), rtol=0.02, atol=0.05)
 
+    # In the graph (the plan's choice where the layers are not replayed as CUDA graphs): no op call, the same result;
+    # with fp32 absmax values (no table: bitsandbytes' op decodes them) the op stays.
+    nf4.dequantise_backward_in_graph(True)
+    try:
+        torch._dynamo.reset()
+        (y_inline, inline), codes = run_and_get_code(torch.compile(forward_then_gradient, fullgraph=True), x)
+        torch._dynamo.reset()
+    finally:
+        nf4.dequantise_backward_in_graph(False)
+    assert ("freetune.dequantized_mm" in "\n".join(codes)) == (not keep_8bit)
+    torch.testing.assert_close(inline.float(), ((y_inline * 2.0) @ want_w).float(), rtol=0.02, atol=0.05)
+    torch.testing.assert_close(inline.float(), compiled.float(), rtol=0.02, atol=0.05)
+
 
 def test_the_compiled_dequantisation_from_8bit_absmax_values_on_a_gpu():
     """The same on a GPU (run on the GPU machine with `pytest tests/test_kernels.py -k on_a_gpu`): inductor's kernel

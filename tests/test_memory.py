@@ -175,3 +175,24 @@ def test_activation_coefficients_match_the_saved_tensors_of_the_real_stack(tmp_p
                        tied_embeddings=True, attention_bias=True)
     modelled = layer_activation_bytes(shape, lora_rank=16, compute_dtype=compute_dtype)
     assert modelled == pytest.approx(per_layer, rel=0.05)
+
+
+def test_a_backward_dequantised_in_the_compiled_graphs_counts_one_layers_16bit_weights():
+    """Compiled fused layers that are not replayed as CUDA graphs dequantise their backward's weights in their own
+    graphs (freetune.speed.nf4.times_dequantized), where inductor makes one layer's 16-bit weights at the top of its
+    backward: the estimate carries them. With the graphs (the op) or fp32 absmax values (chunked MLP) it does not."""
+    from freetune.plan.memory import dequantises_backward_in_graph
+
+    assert dequantises_backward_in_graph("fused", True, "traced", cuda_graphs=False)
+    assert not dequantises_backward_in_graph("fused", True, "traced", cuda_graphs=True)
+    assert not dequantises_backward_in_graph("fused", True, "chunked", cuda_graphs=False)
+    assert not dequantises_backward_in_graph("fused", False, "traced", cuda_graphs=False)
+    assert not dequantises_backward_in_graph("peft", True, "layers", cuda_graphs=False)
+    common = dict(max_length=1024, micro_batch=8, lora_kernel="fused", compiled=True, mlp_kernel="traced",
+                  compute_dtype="float16", loss_tile_tokens=512)
+    in_graph = estimate(QWEN15, **common)
+    graphed = estimate(QWEN15, cuda_graphs=True, **common)
+    layer_weights = QWEN15.quantized_params // QWEN15.layers * 2
+    buffers = 3 * 8 * 1024 * QWEN15.hidden * 2
+    assert layer_weights == 2 * (1536 * (1536 + 256 + 256 + 1536) + 3 * 1536 * 8960)
+    assert (in_graph.activations_gib - graphed.activations_gib) * 2**30 == pytest.approx(layer_weights - buffers)

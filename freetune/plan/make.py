@@ -15,7 +15,7 @@ from freetune.plan.decisions import (Decision, choose_attention, choose_batching
                                      choose_sampler, choose_shape, needs_varlen_probe, resolve_policy,
                                      varlen_attention, world_size)
 from freetune.plan.hardware import Hardware, check_gpus_supported, disk_warnings, probe_varlen, read_hardware
-from freetune.plan.memory import MemoryEstimate, fit, keeps_8bit_absmax
+from freetune.plan.memory import MemoryEstimate, dequantises_backward_in_graph, fit, keeps_8bit_absmax
 from freetune.plan.record import Plan
 from freetune.plan.shapes import ModelShape
 from freetune.plan.sizing import (GRAPHS_LOSS_TILE, GRAPHS_OPTIMIZER, MemorySettings, choose_attention_heads,
@@ -379,6 +379,9 @@ def _build(draft: _Draft, sizing: _Sizing, asked: dict) -> Plan:
              "cuda_graphs": cuda_graphs, "batch": draft.batch, "memory": draft.memory, "batching": draft.batching,
              "sampler": draft.sampler}
     reasons.update({key: decision.why for key, decision in named.items() if decision is not None})
+    if dequantises_backward_in_graph(draft.lora_kernel.value, draft.compile.value, mlp, bool(multiple)):
+        reasons["compile"] += ("; the backward dequantises the 4-bit weights inside these graphs, not through an op "
+                               "per weight (one layer's 16-bit weights counted in the memory estimate)")
     whole_heads = bool(draft.attention_heads and draft.attention_heads.value)
     if draft.attention_heads is not None:
         reasons["attention"] += f"; {draft.attention_heads.why}"

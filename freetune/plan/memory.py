@@ -260,6 +260,14 @@ def keeps_8bit_absmax(lora_kernel: str, compiled: bool, mlp_kernel: str) -> bool
     return lora_kernel == "fused" and compiled and mlp_kernel != "chunked"
 
 
+def dequantises_backward_in_graph(lora_kernel: str, compiled: bool, mlp_kernel: str, cuda_graphs: bool) -> bool:
+    """Whether the compiled layers' backward dequantises its input gradients' weights in its own graph
+    (freetune.speed.nf4.times_dequantized), not through freetune::dequantized_mm: where the absmax values stay 8-bit
+    (keeps_8bit_absmax) and the layers are not replayed as CUDA graphs (those take the op's host cost away, on the
+    tight budgets that choose them). It costs one layer's 16-bit weights at the backward's peak (estimate)."""
+    return keeps_8bit_absmax(lora_kernel, compiled, mlp_kernel) and not cuda_graphs
+
+
 def estimate(shape: ModelShape, *, max_length: int, micro_batch: int, lora_rank: int = 16,
              lora_targets: str | list[str] = "all-linear", gradient_checkpointing: bool = True,
              optimizer: str = "paged_adamw_8bit", compute_dtype: str = "bfloat16", device: str = "cuda",
@@ -283,6 +291,8 @@ def estimate(shape: ModelShape, *, max_length: int, micro_batch: int, lora_rank:
     (freetune.speed.host_embeddings), off the GPU. cuda_graphs: freetune.speed.cuda_graphs' three buffers of the largest
     batch's hidden states (two in turn for the layers, one for the gradient), held for the whole run.
     attention_whole_heads: the memory-efficient attention's heads in one call (whole_heads_attention_bytes).
+    Where dequantises_backward_in_graph, inductor dequantises a layer's weights at the top of its backward graph: one
+    layer's linear weights in 16 bits on top of its backward.
     """
     tokens = micro_batch * max_length
     # Fused layers that are not compiled keep a double-quantised weight's absmax values in fp32 instead
@@ -322,6 +332,8 @@ def estimate(shape: ModelShape, *, max_length: int, micro_batch: int, lora_rank:
     layer_backward = tokens * transient + mlp_chunk_bytes(shape, compute_dtype, mlp_kernel)
     if attention_whole_heads:
         layer_backward += tokens * whole_heads_attention_bytes(shape, compute_dtype)
+    if shards == 1 and dequantises_backward_in_graph(lora_kernel, compiled, mlp_kernel, cuda_graphs):
+        layer_backward += shape.quantized_params // shape.layers * (2 if _is_16bit(compute_dtype) else 4)
     activations = tokens * resident + max(0.0, layer_backward - head)  # the head's part is counted apart
     if cuda_graphs:
         activations += 3 * tokens * shape.hidden * (2 if _is_16bit(compute_dtype) else 4)

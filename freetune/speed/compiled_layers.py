@@ -32,9 +32,21 @@ def _applies(plan, trainer) -> tuple[bool, str]:
 
 
 def _install(trainer, plan):
+    from freetune.plan.memory import dequantises_backward_in_graph
+    from freetune.speed import nf4
+
+    kernels = plan.kernels
+    # Read when the layers are traced (their first step); the plan's estimate counted what it costs.
+    nf4.dequantise_backward_in_graph(dequantises_backward_in_graph(kernels.lora, kernels.compile, kernels.mlp,
+                                                                   bool(kernels.cuda_graph_tokens)))
     compiled = compile_layers(trainer.model)
     print0(f"torch.compile: {compiled} decoder layers; the first steps are slower while they compile.")
-    return lambda: uncompile_layers(trainer.model)  # the model may go on to generate: eager layers for that
+
+    def undo():
+        nf4.dequantise_backward_in_graph(False)
+        uncompile_layers(trainer.model)  # the model may go on to generate: eager layers for that
+
+    return undo
 
 
 FEATURE = Feature("torch.compile", _applies, _install)

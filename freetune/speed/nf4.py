@@ -92,16 +92,38 @@ def triton_for(t):
     return fast if fast is not None and fast.usable(t) else None
 
 
+# Where the compiled layers' backward dequantises its input gradients' weights (times_dequantized): True, in the
+# graph itself; False, through freetune::dequantized_mm. Set by freetune.speed.compiled_layers from the plan before
+# the layers compile (dequantise_backward_in_graph).
+_IN_GRAPH = {"on": False}
+
+
+def dequantise_backward_in_graph(on: bool) -> None:
+    """Whether compiled layers traced from now on write their backward's dequantisation into their own graphs
+    (times_dequantized). freetune.speed.compiled_layers sets it from the plan
+    (freetune.plan.memory.dequantises_backward_in_graph) and resets it when training ends."""
+    _IN_GRAPH["on"] = bool(on)
+
+
 def times_dequantized(d, packed, absmax, spec, table=None):
-    """d W for a packed 4-bit weight W (out, in): a backward's input gradient. Inside a compiled graph through an op
-    the compiler cannot see into (freetune::dequantized_mm), which dequantises where the graph reaches it and lets the
-    16-bit weight die with the product. As graph code the dequantisation hangs on the layer's inputs alone, and
-    inductor fused it with the recomputed forward's dequantisation of the same weight (the traced MLP's gate and up,
-    in its CPU code) or ran it at the top of the backward graph (the attention's projections, in a memory snapshot on
-    the GPU): a 16-bit copy of each weight alive from there to its use, at the backward's peak."""
+    """d W for a packed 4-bit weight W (out, in): a backward's input gradient.
+
+    Inside a compiled graph, two ways, the same arithmetic (tests/test_kernels.py):
+    - through an op the compiler cannot see into (freetune::dequantized_mm), which dequantises where the graph
+      reaches it and lets the 16-bit weight die with the product. As graph code the dequantisation hangs on the
+      layer's inputs alone, and inductor fused it with the recomputed forward's dequantisation of the same weight (the
+      traced MLP's gate and up, in its CPU code) or ran it at the top of the backward graph (the attention's
+      projections, in a memory snapshot on the GPU): a 16-bit copy of each weight alive from there to its use, at the
+      backward's peak. The op's eager body costs the host ~0.1 ms a call (the op's dispatch, a Triton launch from
+      Python), six or seven calls per layer.
+    - in the graph (dequantise_backward_in_graph, 8-bit absmax values only: their decoding is tensor code), where the
+      plan has room for one layer's 16-bit weights (freetune.plan.memory.estimate counts them) and the layers are not
+      replayed as CUDA graphs (which take the host's cost away anyway). On the T4 cap's long rows it was 11-17%
+      faster on an H100 with a slower host, as fast with a faster one, at the same peak and GPU time
+      (docs/performance.md, issue 49)."""
     import torch
 
-    if not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling() or (table is not None and _IN_GRAPH["on"]):
         return d @ _dequantize(packed, absmax, spec, table)
     blocksize, quant_type, shape, dtype = spec
     return _dequantized_mm_op()(d, packed, absmax, table, blocksize, quant_type, list(shape), dtype)
