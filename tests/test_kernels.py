@@ -614,3 +614,21 @@ def test_the_plan_picks_the_fast_kernels_on_a_gpu_and_plain_ones_on_a_cpu():
     # FSDP flattens the 4-bit weights: peft's layers, eager.
     sharded = make_plan(gpu("NVIDIA A100", (8, 0), 79.0, count=2), model_shape="qwen2.5-1.5b", layout="fsdp")
     assert (sharded.kernels.lora, sharded.kernels.compile) == ("peft", False)
+
+
+@pytest.mark.parametrize("graph_tokens, mlp, in_graph", [(0, "layers", True), (1024, "layers", False),
+                                                         (0, "chunked", False)])
+def test_the_compile_feature_sets_where_the_backward_dequantises_from_the_plan_and_resets_it(graph_tokens, mlp,
+                                                                                            in_graph):
+    """torch.compile's feature reads the plan (memory.dequantises_backward_in_graph: no CUDA graphs, 8-bit absmax
+    values) before the layers trace, and its undo puts the op back for whatever compiles next."""
+    from types import SimpleNamespace
+
+    kernels = SimpleNamespace(lora="fused", compile=True, mlp=mlp, cuda_graph_tokens=graph_tokens)
+    trainer = SimpleNamespace(model=torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    undo = compiled_layers._install(trainer, SimpleNamespace(kernels=kernels))
+    try:
+        assert nf4._IN_GRAPH["on"] is in_graph
+    finally:
+        undo()
+    assert nf4._IN_GRAPH["on"] is False
