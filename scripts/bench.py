@@ -85,6 +85,8 @@ VARIANTS_HELP = (
     "empties the CUDA cache every micro-batch), no_triton=true (the custom ops' element-wise "
     "work without freetune.speed.triton_kernels), op_dgrad=true (the backward's input "
     "gradients through freetune::dequantized_mm where the plan dequantises them in the compiled graphs), "
+    "addmm_sums=true (the compiled layers add every LoRA term in place, an addmm with a copy of its input), "
+    "addmm_backward_sums=true (in place in the backward only), "
     "skip_guards=true (after two steps dynamo checks only the guards that tell the layers' "
     "graphs apart), no_asserts=true (no size/stride checks in the compiled graphs' "
     "wrappers), gc_unfrozen=true (no gc.freeze after the warm-up), "

@@ -23,7 +23,8 @@ from scripts.bench_prepare import ARCHITECTURE
 # (fp32_absmax is a plan setting under an experiment's name: job_plan turns it into keep_8bit_absmax=False.)
 EXPERIMENTS = ("liger", "cpp_wrapper", "combo_kernels", "dense_head", "no_packed_check", "pin_cores", "byte_masks",
                "fp32_absmax", "per_layer_casts", "copied_heads", "kv_head_calls", "trl_empty_cache", "no_triton",
-               "op_dgrad", "skip_guards", "no_asserts", "gc_unfrozen", "lora_dropout", "full_recompute",
+               "op_dgrad", "addmm_sums", "addmm_backward_sums",
+               "skip_guards", "no_asserts", "gc_unfrozen", "lora_dropout", "full_recompute",
                "optimizer_per_tensor",
                "ddp_split", "static_graph", "bucket_view", "bucket_mb", "flat_sync")
 
@@ -154,6 +155,12 @@ PATCHES: dict[str, tuple[Patch, ...]] = {
     # the backward's input gradients through freetune::dequantized_mm wherever the layers are compiled, as before issue
     # 49's in-graph dequantisation (freetune.plan.memory.dequantises_backward_in_graph)
     "op_dgrad": (Patch("freetune.speed.nf4", "dequantise_backward_in_graph", lambda old: lambda on: old(False)),),
+    # the compiled layers' LoRA sums in place, as before issue 49's out-of-place sums (freetune.speed.lora_kernel's
+    # plus_product): everywhere, or in the backward only
+    "addmm_sums": (Patch("freetune.speed.lora_kernel", "write_sums_out_of_place",
+                         lambda old: lambda backward, forward=True: old(False, False)),),
+    "addmm_backward_sums": (Patch("freetune.speed.lora_kernel", "write_sums_out_of_place",
+                                  lambda old: lambda backward, forward=True: old(False, forward)),),
     # Two more host costs of every compiled layer call (tenth session): guards, and the compiled graphs' wrapper
     # code checking every input's size and stride per call.
     "skip_guards": (Patch("freetune.trainer", "FreetuneTrainer.training_step", _guards_skipped_after_warmup),),

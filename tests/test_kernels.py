@@ -153,6 +153,96 @@ def test_the_compiled_dequantisation_from_8bit_absmax_values_on_a_gpu():
         assert (traced != want).float().mean() < 0.01
 
 
+def aten_graphs(fn, *args):
+    """The forward's and the backward's ATen graphs that torch.compile makes of fn (through aot_autograd, as inductor
+    gets them), after one call and a backward of the sum of its output; and that output."""
+    import torch._dynamo
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = {}
+
+    def keep(name):
+        def compiler(gm, example_inputs):
+            graphs[name] = gm
+            return gm.forward
+        return compiler
+
+    torch._dynamo.reset()
+    try:
+        out = torch.compile(fn, backend=aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward")),
+                            fullgraph=True)(*args)
+        out.sum().backward()
+    finally:
+        torch._dynamo.reset()
+    return graphs, out
+
+
+def sums_into_products(gm) -> int:
+    """How many addmm calls of the graph add a product onto a whole (tokens, n) tensor (a bias, 1-D, aside)."""
+    return sum(node.op == "call_function" and node.target is torch.ops.aten.addmm.default
+               and node.args[0].meta["val"].dim() == 2 for node in gm.graph.nodes)
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_compiled_layers_add_the_lora_term_as_a_product_and_an_add(tiny_model_dir, in_place, monkeypatch):
+    """Traced into a compiled layer, a fused layer's LoRA sum (s h B^T onto x W^T; (s dy B) A onto dy W without
+    dropout) is a product and an add, not an in-place addmm_: functionalised, that was an out-of-place addmm whose
+    cuBLAS call copies its input first (512 copies of an H100's step on the T4 long rows). A widening projection (the
+    MLP's gate) keeps the in-place sum in its forward (memory: plus_product). The sums are the same numbers as the
+    eager layer's. in_place: the switches off (bench's addmm_sums), the addmm is there: the test sees the change."""
+    # as torch.compile's feature sets it where no CUDA graphs replay the layers; in_place: as bench's addmm_sums
+    monkeypatch.setattr(lora_kernel, "_OUT_OF_PLACE_SUMS", {"forward": not in_place, "backward": not in_place})
+    model = quantized_lora_model(tiny_model_dir, torch.float32)
+    lora_kernel.use_fused_lora(model)
+    layers = model.get_base_model().model.layers[0]
+    for layer, widening in ((layers.self_attn.q_proj, False), (layers.mlp.gate_proj, True)):
+        assert (layer.out_features > layer.in_features) == widening
+        x = torch.randn(2, 7, layer.in_features, requires_grad=True, generator=torch.Generator().manual_seed(1))
+        eager_out = layer(x)
+        eager_out.sum().backward()
+        want = x.grad.clone(), {n: p.grad.clone() for n, p in layer.named_parameters() if p.requires_grad}
+        x.grad = None
+        layer.zero_grad()
+        graphs, out = aten_graphs(layer, x)
+        assert sums_into_products(graphs["forward"]) == int(in_place or widening), layer
+        assert sums_into_products(graphs["backward"]) == int(in_place), layer
+        torch.testing.assert_close(out, eager_out, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(x.grad, want[0], rtol=1e-5, atol=1e-6)
+        for name, param in layer.named_parameters():
+            if param.requires_grad:
+                torch.testing.assert_close(param.grad, want[1][name], rtol=1e-5, atol=1e-6)
+        layer.zero_grad()
+
+
+def test_inductor_leaves_the_lora_product_and_its_add_unfused_on_a_gpu():
+    """On a GPU (run on the GPU machine with `pytest tests/test_kernels.py -k on_a_gpu`): where the LoRA sum's user is
+    element-wise, inductor's fp16 code is two matmuls and the add fused into that user: no addmm (whose out-of-place
+    call copies its input); the in-place sum (the switch off) gives the addmm. The same numbers within fp16's step."""
+    if not torch.cuda.is_available():
+        pytest.skip("inductor decides to leave a product and an add unfused only for a GPU's code")
+    from torch._inductor.utils import run_and_get_code
+
+    gen = torch.Generator("cuda").manual_seed(4)
+    x, w = (torch.randn(shape, device="cuda", generator=gen, dtype=torch.float16) for shape in ((512, 256), (384, 256)))
+    h, b = (torch.randn(shape, device="cuda", generator=gen, dtype=torch.float16) * 0.1
+            for shape in ((512, 8), (384, 8)))
+
+    def projection_then_silu(x, w, h, b):
+        return torch.nn.functional.silu(lora_kernel.plus_product(x @ w.t(), h, b.t(), 2.0))
+
+    want = torch.nn.functional.silu((x.float() @ w.float().t()) + 2.0 * (h.float() @ b.float().t()))
+    for out_of_place in (True, False):
+        lora_kernel._OUT_OF_PLACE_SUMS["forward"] = out_of_place
+        try:
+            torch._dynamo.reset()
+            got, codes = run_and_get_code(torch.compile(projection_then_silu, fullgraph=True), x, w, h, b)
+        finally:
+            lora_kernel._OUT_OF_PLACE_SUMS["forward"] = True
+            torch._dynamo.reset()
+        assert ("extern_kernels.addmm(" in "\n".join(codes)) == (not out_of_place)
+        torch.testing.assert_close(got.float(), want, rtol=2**-9, atol=0.05)
+
+
 def test_the_fused_layers_keep_fp32_absmax_values_instead_of_8bit_ones_as_the_memory_estimate_counts(tiny_model_dir):
     """The fused layers keep every double-quantised weight's absmax values in fp32 (dequantised once, not in every
     forward and backward) and drop the 8-bit ones: bitsandbytes' own forward (generation) then reads the fp32 values
@@ -601,8 +691,10 @@ def test_the_plan_picks_the_fast_kernels_on_a_gpu_and_plain_ones_on_a_cpu():
     cpu = make_plan(Hardware(ram_total_gib=16.0, ram_available_gib=12.0), model_shape="qwen2.5-1.5b")
     assert (cpu.kernels.lora, cpu.kernels.compile, cpu.memory.optimizer) == ("peft", False, "adamw_torch")
 
-    # A big adapter on a small card: fused AdamW's fp32 state is too large a share; the 8-bit one is kept.
-    small = make_plan(gpu("GTX 1650", (7, 5), 3.8), model_shape="qwen2.5-1.5b", lora_rank=64)
+    # A big adapter on a small card: fused AdamW's fp32 state is too large a share; the 8-bit one is kept. (LoRA
+    # dropout 0.05: with 0, a machine with the variable-length attention kernel, a GPU machine, would plan CUDA graphs,
+    # which take the one-launch 8-bit AdamW instead.)
+    small = make_plan(gpu("GTX 1650", (7, 5), 3.8), model_shape="qwen2.5-1.5b", lora_rank=64, lora_dropout=0.05)
     assert small.memory.optimizer == "paged_adamw_8bit" and "over 2%" in small.reasons["optimizer"]
 
     off = make_plan(gpu("Tesla T4", (7, 5), 14.7), model_shape="qwen2.5-1.5b", compile="off",
@@ -621,7 +713,8 @@ def test_the_plan_picks_the_fast_kernels_on_a_gpu_and_plain_ones_on_a_cpu():
 def test_the_compile_feature_sets_where_the_backward_dequantises_from_the_plan_and_resets_it(graph_tokens, mlp,
                                                                                             in_graph):
     """torch.compile's feature reads the plan (memory.dequantises_backward_in_graph: no CUDA graphs, 8-bit absmax
-    values) before the layers trace, and its undo puts the op back for whatever compiles next."""
+    values; the backward's out-of-place LoRA sums: no CUDA graphs) before the layers trace, and its undo puts the op
+    and the in-place sums back for whatever compiles next."""
     from types import SimpleNamespace
 
     kernels = SimpleNamespace(lora="fused", compile=True, mlp=mlp, cuda_graph_tokens=graph_tokens)
@@ -629,6 +722,9 @@ def test_the_compile_feature_sets_where_the_backward_dequantises_from_the_plan_a
     undo = compiled_layers._install(trainer, SimpleNamespace(kernels=kernels))
     try:
         assert nf4._IN_GRAPH["on"] is in_graph
+        # the backward's LoRA sums out of place where no CUDA graphs replay the layers (lora_kernel.plus_product)
+        assert lora_kernel._OUT_OF_PLACE_SUMS == {"forward": True, "backward": not graph_tokens}
     finally:
         undo()
     assert nf4._IN_GRAPH["on"] is False
+    assert lora_kernel._OUT_OF_PLACE_SUMS == {"forward": True, "backward": False}

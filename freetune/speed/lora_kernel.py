@@ -77,6 +77,48 @@ def unpack_mask(packed, n: int, dtype):
     return bits.view(packed.shape[0], -1)[:, :n].to(dtype)
 
 
+# Where compiled layers write a LoRA sum as a product and an add (plus_product), by phase; the backward's follows the
+# plan (write_sums_out_of_place, set by freetune.speed.compiled_layers).
+_OUT_OF_PLACE_SUMS = {"forward": True, "backward": False}
+
+
+def write_sums_out_of_place(backward: bool, forward: bool = True) -> None:
+    """Whether compiled layers traced from now on add their LoRA terms out of place (plus_product), in the forward and
+    in the backward. freetune.speed.compiled_layers turns the backward's on where the layers are not replayed as CUDA
+    graphs and off again when training ends; scripts/bench_experiments.py's addmm_sums and addmm_backward_sums
+    measure the in-place sums against it."""
+    _OUT_OF_PLACE_SUMS.update(forward=bool(forward), backward=bool(backward))
+
+
+def plus_product(y, m1, m2, alpha: float = 1.0, phase: str = "forward", widening: bool = False):
+    """y + alpha * (m1 @ m2): a fused layer's LoRA term (s h B^T) added to its base product, or (s dy B) A to its input
+    gradient without dropout. m1 is thin (tokens x r): a small matmul with a wide output.
+
+    Eager, in place (`addmm_`): one kernel, no new tensor. Traced into compiled layers, an in-place addmm_ becomes an
+    out-of-place `addmm` into a new buffer, which cuBLAS fills with a copy of y first, and inductor keeps 16-bit addmm
+    fused (keep_addmm_fused_for_half_dtypes): a device-to-device copy of the projection's output per projection and
+    forward, and of its input gradient per backward (512 copies, 14.3 ms of an H100's step on the T4 long rows with
+    dropout 0). Written as a product and an add, inductor leaves the two unfused on a GPU where every user of the sum
+    is element-wise and fuses the add into that user: no copy (the LoRA product is rounded once more, as in peft's own
+    layer); where a user is not element-wise it makes the same addmm as before. Measured on an H100 (issue 49,
+    docs/performance.md), T4 long rows, dropout 0: 343 of the 512 copies gone, a step's kernels 2.7-4% faster, the
+    peak 0.14 GiB higher (the backward's products stay alive until the add's user runs: the shape a layer with
+    dropout has anyway, whose mask multiply makes its sums out of place, and which the memory estimate's counts were
+    measured with); with the layers replayed as CUDA graphs the peak was 0.13 GiB higher at the same kernel time, so
+    there the backward keeps the in-place sums (write_sums_out_of_place). The forward's out-of-place sums changed
+    neither peak.
+    `widening` (an output wider than the input: an MLP's gate and up) keeps the in-place sum: their one user reads
+    both, and the unfused sums would hold two more tokens x intermediate tensors until it runs.
+    `* alpha`, not torch.add's alpha=: inductor's mm-plus-add pattern drops an add's alpha (torch 2.10-2.13 on a CPU:
+    a wrong sum)."""
+    import torch
+
+    if widening or not _OUT_OF_PLACE_SUMS[phase] or not torch.compiler.is_compiling():
+        return y.addmm_(m1, m2, alpha=alpha)
+    product = m1 @ m2
+    return y + (product if alpha == 1.0 else product * alpha)
+
+
 def _function():
     import torch
 
@@ -103,7 +145,7 @@ def _function():
             else:
                 xd = x2
             h = xd @ a.t()                                   # (tokens, r)
-            y.addmm_(h, b.t(), alpha=scaling)                # + s * h B^T, in place: no extra (tokens, out) tensor
+            y = plus_product(y, h, b.t(), scaling, widening=y.shape[-1] > x2.shape[-1])   # + s * h B^T
             # The input, not its dropped copy, is saved (with the mask): q, k, v (and gate, up)
             # read the same input, which is then kept once for all of them instead of one 16-bit copy per
             # projection; the backward drops it again. Under checkpointing that is the largest part of a layer's
@@ -139,7 +181,7 @@ def _function():
             if ctx.needs_input_grad[0]:
                 grad_x = nf4.times_dequantized(dy2, weight, absmax, ctx.spec, table)
                 if mask is None:
-                    grad_x.addmm_(dh, a)
+                    grad_x = plus_product(grad_x, dh, a, phase="backward")
                 else:
                     grad_x.add_((dh @ a).mul_(mask).mul_(1.0 / (1.0 - ctx.dropout_p)))
                 grad_x = grad_x.reshape(*shape[:-1], grad_x.shape[-1]).to(ctx.x_dtype)

@@ -41,7 +41,7 @@ def _project(inp, packed, absmax, table, spec, a, b, s, p: float, hs: list, mask
     else:
         dropped = inp
     h = dropped @ a.t()
-    y.addmm_(h, b.t(), alpha=s)
+    y = lora_kernel.plus_product(y, h, b.t(), s, widening=y.shape[-1] > inp.shape[-1])
     hs.append(h)
     masks.append(kept)
     return y
@@ -55,7 +55,10 @@ def _gate_up_grads(x2, d_gate, d_up, saved: tuple, p: float) -> tuple[list, obje
         dh = (d @ b).mul_(s)
         grads += [dh.t() @ (x2 if mask is None else _masked(x2, mask, p)), (d.t() @ h).mul_(s)]
         part = nf4.times_dequantized(d, packed, absmax, spec, table)
-        part = part.addmm_(dh, a) if mask is None else part + _masked(dh @ a, mask, p)
+        if mask is None:
+            part = lora_kernel.plus_product(part, dh, a, phase="backward")
+        else:
+            part = part + _masked(dh @ a, mask, p)
         dx = part if dx is None else dx + part
     return grads, dx
 
