@@ -100,13 +100,11 @@ def plus_product(y, m1, m2, alpha: float = 1.0, phase: str = "forward", widening
     forward, and of its input gradient per backward (512 copies, 14.3 ms of an H100's step on the T4 long rows with
     dropout 0). Written as a product and an add, inductor leaves the two unfused on a GPU where every user of the sum
     is element-wise and fuses the add into that user: no copy (the LoRA product is rounded once more, as in peft's own
-    layer); where a user is not element-wise it makes the same addmm as before. Measured on an H100 (issue 49,
-    docs/performance.md), T4 long rows, dropout 0: 343 of the 512 copies gone, a step's kernels 2.7-4% faster, the
-    peak 0.14 GiB higher (the backward's products stay alive until the add's user runs: the shape a layer with
-    dropout has anyway, whose mask multiply makes its sums out of place, and which the memory estimate's counts were
-    measured with); with the layers replayed as CUDA graphs the peak was 0.13 GiB higher at the same kernel time, so
-    there the backward keeps the in-place sums (write_sums_out_of_place). The forward's out-of-place sums changed
-    neither peak.
+    layer); where a user is not element-wise it makes the same addmm as before. The backward's products then stay
+    alive until the add's user runs: on the T4 long rows with dropout 0 the kernels were 2.7-4% shorter at a 0.14 GiB
+    higher peak (the shape a layer with dropout has anyway, which the memory estimate's counts were measured with);
+    with the layers replayed as CUDA graphs, 0.13 GiB more for no kernel time, so there the backward keeps the
+    in-place sums (write_sums_out_of_place; measurements in docs/performance.md, issue 49).
     `widening` (an output wider than the input: an MLP's gate and up) keeps the in-place sum: their one user reads
     both, and the unfused sums would hold two more tokens x intermediate tensors until it runs.
     `* alpha`, not torch.add's alpha=: inductor's mm-plus-add pattern drops an add's alpha (torch 2.10-2.13 on a CPU:
