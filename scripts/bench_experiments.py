@@ -23,7 +23,8 @@ from scripts.bench_prepare import ARCHITECTURE
 # (fp32_absmax is a plan setting under an experiment's name: job_plan turns it into keep_8bit_absmax=False.)
 EXPERIMENTS = ("liger", "cpp_wrapper", "combo_kernels", "dense_head", "no_packed_check", "pin_cores", "byte_masks",
                "fp32_absmax", "per_layer_casts", "copied_heads", "kv_head_calls", "trl_empty_cache", "no_triton",
-               "op_dgrad", "addmm_sums", "addmm_backward_sums",
+               "op_dgrad", "addmm_sums", "addmm_backward_sums", "traced_addmm",
+               "widening_addmm",
                "skip_guards", "no_asserts", "gc_unfrozen", "lora_dropout", "full_recompute",
                "optimizer_per_tensor",
                "ddp_split", "static_graph", "bucket_view", "bucket_mb", "flat_sync")
@@ -161,6 +162,12 @@ PATCHES: dict[str, tuple[Patch, ...]] = {
                          lambda old: lambda backward, forward=True: old(False, False)),),
     "addmm_backward_sums": (Patch("freetune.speed.lora_kernel", "write_sums_out_of_place",
                                   lambda old: lambda backward, forward=True: old(False, forward)),),
+    # the in-place LoRA sums (the traced MLP's gate and up; the backward's with CUDA graphs; all under addmm_sums) as
+    # a traced addmm_, which copies its input, as before freetune::add_product_
+    "traced_addmm": (Patch("freetune.speed.lora_kernel", "_IN_PLACE_SUMS", _set({"op": False})),),
+    # a compiled widening projection (an MLP's gate and up) as its base product and an in-place LoRA sum over its
+    # output, as before freetune.speed.lora_kernel's base_plus_lora (one product over [x | h])
+    "widening_addmm": (Patch("freetune.speed.lora_kernel", "_ONE_PRODUCT", _set({"widening": False})),),
     # Two more host costs of every compiled layer call (tenth session): guards, and the compiled graphs' wrapper
     # code checking every input's size and stride per call.
     "skip_guards": (Patch("freetune.trainer", "FreetuneTrainer.training_step", _guards_skipped_after_warmup),),

@@ -177,10 +177,20 @@ def aten_graphs(fn, *args):
     return graphs, out
 
 
-def sums_into_products(gm) -> int:
-    """How many addmm calls of the graph add a product onto a whole (tokens, n) tensor (a bias, 1-D, aside)."""
-    return sum(node.op == "call_function" and node.target is torch.ops.aten.addmm.default
-               and node.args[0].meta["val"].dim() == 2 for node in gm.graph.nodes)
+def sums_into_products(gm) -> tuple[int, int]:
+    """How many in-place sums of a product onto a whole (tokens, n) tensor the graph has (a bias, 1-D, aside): as an
+    addmm (functionalised addmm_, whose call copies its input first) and through freetune::add_product_ (functionalised
+    too; inductor puts it back in place)."""
+    nodes = [node for node in gm.graph.nodes if node.op == "call_function"]
+    addmm = sum(node.target is torch.ops.aten.addmm.default and node.args[0].meta["val"].dim() == 2 for node in nodes)
+    op = sum(torch.ops.freetune.add_product_.default in (node.target, *node.args[:1]) for node in nodes)
+    return addmm, op
+
+
+def products_over(gm, k: int) -> int:
+    """How many matmuls of the graph take k values per output element (a (tokens, k) input)."""
+    return sum(node.op == "call_function" and node.target is torch.ops.aten.mm.default
+               and node.args[0].meta["val"].shape[-1] == k for node in gm.graph.nodes)
 
 
 @pytest.mark.parametrize("in_place", [False, True])
@@ -188,8 +198,10 @@ def test_compiled_layers_add_the_lora_term_as_a_product_and_an_add(tiny_model_di
     """Traced into a compiled layer, a fused layer's LoRA sum (s h B^T onto x W^T; (s dy B) A onto dy W without
     dropout) is a product and an add, not an in-place addmm_: functionalised, that was an out-of-place addmm whose
     cuBLAS call copies its input first (512 copies of an H100's step on the T4 long rows). A widening projection (the
-    MLP's gate) keeps the in-place sum in its forward (memory: plus_product). The sums are the same numbers as the
-    eager layer's. in_place: the switches off (bench's addmm_sums), the addmm is there: the test sees the change."""
+    MLP's gate) computes its forward as one product over the joined input [x | h] (lora_kernel.base_plus_lora). Where
+    a sum stays in place, it goes through freetune::add_product_, never an addmm. The outputs and gradients are the
+    eager layer's. in_place: the switches off (bench's addmm_sums), the in-place op is there: the test sees the
+    change."""
     # as torch.compile's feature sets it where no CUDA graphs replay the layers; in_place: as bench's addmm_sums
     monkeypatch.setattr(lora_kernel, "_OUT_OF_PLACE_SUMS", {"forward": not in_place, "backward": not in_place})
     model = quantized_lora_model(tiny_model_dir, torch.float32)
@@ -204,8 +216,10 @@ def test_compiled_layers_add_the_lora_term_as_a_product_and_an_add(tiny_model_di
         x.grad = None
         layer.zero_grad()
         graphs, out = aten_graphs(layer, x)
-        assert sums_into_products(graphs["forward"]) == int(in_place or widening), layer
-        assert sums_into_products(graphs["backward"]) == int(in_place), layer
+        assert sums_into_products(graphs["forward"]) == (0, int(in_place and not widening)), layer
+        assert sums_into_products(graphs["backward"]) == (0, int(in_place)), layer
+        rank = layer.lora_A["default"].weight.shape[0]
+        assert products_over(graphs["forward"], layer.in_features + rank) == int(widening), layer
         torch.testing.assert_close(out, eager_out, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(x.grad, want[0], rtol=1e-5, atol=1e-6)
         for name, param in layer.named_parameters():
@@ -214,33 +228,137 @@ def test_compiled_layers_add_the_lora_term_as_a_product_and_an_add(tiny_model_di
         layer.zero_grad()
 
 
+def inductor_codes_of_a_step(layer):
+    """inductor's code (forward, backward) for `layer` followed by SiLU on a random input, x's and A's gradients
+    through it, and the same gradients through the eager layer."""
+    from torch._inductor.utils import run_and_get_code
+
+    x = torch.randn(2, 7, layer.in_features, requires_grad=True, generator=torch.Generator().manual_seed(3))
+    torch.nn.functional.silu(layer(x)).sum().backward()
+    want = x.grad.clone(), layer.lora_A["default"].weight.grad.clone()
+    x.grad = None
+    layer.zero_grad()
+    compiled = torch.compile(lambda x: torch.nn.functional.silu(layer(x)))
+
+    def forward_and_backward(x):
+        out = compiled(x)
+        out.sum().backward()
+        return out
+
+    torch._dynamo.reset()
+    try:
+        _, codes = run_and_get_code(forward_and_backward, x)
+    finally:
+        torch._dynamo.reset()
+    assert len(codes) == 2  # the forward's and the backward's
+    return codes, (x.grad, layer.lora_A["default"].weight.grad), want
+
+
+@pytest.mark.parametrize("through_op", [True, False])
+def test_inductor_adds_an_in_place_lora_sum_without_copying_it(tiny_model_dir, through_op, monkeypatch):
+    """Where a compiled layer keeps a LoRA sum in place (the backward where CUDA graphs replay the layers; every sum
+    under bench's addmm_sums; the traced MLP's gate and up), inductor's code runs freetune::add_product_ on the buffer
+    the base product wrote: no addmm (whose out-of-place call copies its input first: an MLP's gate and up were 70
+    copies of 147 MB in an H100's step on the T4 long rows), no clone. through_op off (bench's traced_addmm): the addmm
+    is back: the test sees the change. The gradients are the eager layer's."""
+    monkeypatch.setattr(lora_kernel, "_OUT_OF_PLACE_SUMS", {"forward": False, "backward": False})
+    monkeypatch.setattr(lora_kernel, "_IN_PLACE_SUMS", {"op": through_op})
+    model = quantized_lora_model(tiny_model_dir, torch.float32)
+    lora_kernel.use_fused_lora(model)
+    o = model.get_base_model().model.layers[0].self_attn.o_proj  # no bias (q's would be an addmm of its own)
+    assert o.base_layer.bias is None and o.out_features <= o.in_features
+    codes, got, want = inductor_codes_of_a_step(o)
+    for code in codes:
+        assert ("torch.ops.freetune.add_product_.default(" in code) == through_op
+        assert ("extern_kernels.addmm(" in code) == (not through_op)
+        assert "clone" not in code
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("one_product", [True, False])
+def test_inductor_computes_a_widening_projection_as_one_product(tiny_model_dir, one_product, monkeypatch):
+    """A compiled widening projection (the MLP's gate, as the T4 plan's per-projection MLP runs it) is, in inductor's
+    forward code, two matmuls (x A^T, then [x | h] [W | s B]^T), no sum over its output in place or as an addmm
+    (lora_kernel.base_plus_lora). one_product off (bench's widening_addmm): the base product and the in-place sum.
+    Output and gradients are the eager layer's."""
+    monkeypatch.setattr(lora_kernel, "_ONE_PRODUCT", {"widening": one_product})
+    model = quantized_lora_model(tiny_model_dir, torch.float32)
+    lora_kernel.use_fused_lora(model)
+    gate = model.get_base_model().model.layers[0].mlp.gate_proj
+    codes, got, want = inductor_codes_of_a_step(gate)
+    forward, k = codes[0], gate.in_features + gate.lora_A["default"].weight.shape[0]
+    assert forward.count("extern_kernels.mm(") == 2  # x A^T and the base product (joined or not)
+    # the joined weight [W | s B], read transposed: (in + r, out)
+    assert (f"({k}, {gate.out_features}), (1, {k})" in forward) == one_product
+    assert ("add_product_" in forward or "extern_kernels.addmm(" in forward) == (not one_product)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def fp16_projection_on_a_gpu(out_features: int, rank: int, seed: int):
+    """A projection's fp16 input (512 tokens x 256), weight, LoRA-A output and B on the GPU, and the fp32 SiLU of its
+    x W^T + 2 h B^T (the GPU tests' reference)."""
+    gen = torch.Generator("cuda").manual_seed(seed)
+    x, w, h, b = (torch.randn(shape, device="cuda", generator=gen, dtype=torch.float16)
+                  for shape in ((512, 256), (out_features, 256), (512, rank), (out_features, rank)))
+    h, b = h * 0.1, b * 0.1
+    lora_kernel._add_product_op()
+    want = torch.nn.functional.silu((x.float() @ w.float().t()) + 2.0 * (h.float() @ b.float().t()))
+    return x, w, h, b, want
+
+
 def test_inductor_leaves_the_lora_product_and_its_add_unfused_on_a_gpu():
     """On a GPU (run on the GPU machine with `pytest tests/test_kernels.py -k on_a_gpu`): where the LoRA sum's user is
     element-wise, inductor's fp16 code is two matmuls and the add fused into that user: no addmm (whose out-of-place
-    call copies its input); the in-place sum (the switch off) gives the addmm. The same numbers within fp16's step."""
+    call copies its input); the in-place sum (the switch off) runs freetune::add_product_ on the product's own buffer,
+    no clone; a traced addmm_ (bench's traced_addmm) gives the addmm. The same numbers within fp16's step."""
     if not torch.cuda.is_available():
         pytest.skip("inductor decides to leave a product and an add unfused only for a GPU's code")
     from torch._inductor.utils import run_and_get_code
 
-    gen = torch.Generator("cuda").manual_seed(4)
-    x, w = (torch.randn(shape, device="cuda", generator=gen, dtype=torch.float16) for shape in ((512, 256), (384, 256)))
-    h, b = (torch.randn(shape, device="cuda", generator=gen, dtype=torch.float16) * 0.1
-            for shape in ((512, 8), (384, 8)))
+    x, w, h, b, want = fp16_projection_on_a_gpu(384, 8, seed=4)
 
     def projection_then_silu(x, w, h, b):
         return torch.nn.functional.silu(lora_kernel.plus_product(x @ w.t(), h, b.t(), 2.0))
 
-    want = torch.nn.functional.silu((x.float() @ w.float().t()) + 2.0 * (h.float() @ b.float().t()))
-    for out_of_place in (True, False):
+    for out_of_place, through_op in ((True, True), (False, True), (False, False)):
         lora_kernel._OUT_OF_PLACE_SUMS["forward"] = out_of_place
+        lora_kernel._IN_PLACE_SUMS["op"] = through_op
         try:
             torch._dynamo.reset()
             got, codes = run_and_get_code(torch.compile(projection_then_silu, fullgraph=True), x, w, h, b)
         finally:
             lora_kernel._OUT_OF_PLACE_SUMS["forward"] = True
+            lora_kernel._IN_PLACE_SUMS["op"] = True
             torch._dynamo.reset()
-        assert ("extern_kernels.addmm(" in "\n".join(codes)) == (not out_of_place)
+        code = "\n".join(codes)
+        assert ("extern_kernels.addmm(" in code) == (not out_of_place and not through_op)
+        assert ("freetune.add_product_.default(" in code) == (not out_of_place and through_op)
+        assert "clone" not in code
         torch.testing.assert_close(got.float(), want, rtol=2**-9, atol=0.05)
+
+
+def test_inductor_computes_a_widening_projection_as_one_product_on_a_gpu():
+    """On a GPU (`pytest tests/test_kernels.py -k on_a_gpu`): a widening projection's x W^T + s h B^T in inductor's fp16
+    code is one matmul over the joined input (lora_kernel.base_plus_lora), no addmm and no in-place sum; the numbers
+    within fp16's step of the fp32 sum."""
+    if not torch.cuda.is_available():
+        pytest.skip("inductor's GPU code")
+    from torch._inductor.utils import run_and_get_code
+
+    x, w, h, b, want = fp16_projection_on_a_gpu(1024, 16, seed=5)
+
+    def widening_then_silu(x, w, h, b):
+        return torch.nn.functional.silu(lora_kernel.base_plus_lora(x, w, None, h, b, 2.0))
+
+    torch._dynamo.reset()
+    try:
+        got, codes = run_and_get_code(torch.compile(widening_then_silu, fullgraph=True), x, w, h, b)
+    finally:
+        torch._dynamo.reset()
+    code = "\n".join(codes)
+    assert code.count("extern_kernels.mm(") == 1
+    assert "extern_kernels.addmm(" not in code and "add_product_" not in code
+    torch.testing.assert_close(got.float(), want, rtol=2**-9, atol=0.05)
 
 
 def test_the_fused_layers_keep_fp32_absmax_values_instead_of_8bit_ones_as_the_memory_estimate_counts(tiny_model_dir):

@@ -90,31 +90,84 @@ def write_sums_out_of_place(backward: bool, forward: bool = True) -> None:
     _OUT_OF_PLACE_SUMS.update(forward=bool(forward), backward=bool(backward))
 
 
+# Whether compiled layers add an in-place LoRA sum through freetune::add_product_ (on) or through a traced addmm_ (off:
+# bench's experiment traced_addmm, which measures the copy that the op takes away).
+_IN_PLACE_SUMS = {"op": True}
+_ADD_PRODUCT: dict = {}  # "op": freetune::add_product_, defined once per process
+
+
+def _add_product_op():
+    """freetune::add_product_: y += alpha * (m1 @ m2) in place (y.addmm_), as a custom op that mutates y.
+
+    Why: traced, an in-place addmm_ is functionalised into an out-of-place addmm whose cuBLAS call copies y into a new
+    buffer first. A custom op that declares its mutation is put back in place by inductor's reinplacing pass wherever y
+    dies there (a projection's fresh output or input gradient): one kernel, no copy, no new tensor. Made eagerly, with
+    the fused layer's function (dynamo cannot trace its making)."""
+    if "op" not in _ADD_PRODUCT:
+        import torch
+
+        def impl(y, m1, m2, alpha: float) -> None:
+            y.addmm_(m1, m2, alpha=alpha)
+
+        op = torch.library.custom_op("freetune::add_product_", impl, mutates_args=("y",),
+                                     schema="(Tensor(a!) y, Tensor m1, Tensor m2, float alpha) -> ()")
+        op.register_fake(lambda y, m1, m2, alpha: None)
+        _ADD_PRODUCT["op"] = op
+    return _ADD_PRODUCT["op"]
+
+
 def plus_product(y, m1, m2, alpha: float = 1.0, phase: str = "forward", widening: bool = False):
     """y + alpha * (m1 @ m2): a fused layer's LoRA term (s h B^T) added to its base product, or (s dy B) A to its input
     gradient without dropout. m1 is thin (tokens x r): a small matmul with a wide output.
 
     Eager, in place (`addmm_`): one kernel, no new tensor. Traced into compiled layers, an in-place addmm_ becomes an
-    out-of-place `addmm` into a new buffer, which cuBLAS fills with a copy of y first, and inductor keeps 16-bit addmm
-    fused (keep_addmm_fused_for_half_dtypes): a device-to-device copy of the projection's output per projection and
-    forward, and of its input gradient per backward (512 copies, 14.3 ms of an H100's step on the T4 long rows with
-    dropout 0). Written as a product and an add, inductor leaves the two unfused on a GPU where every user of the sum
-    is element-wise and fuses the add into that user: no copy (the LoRA product is rounded once more, as in peft's own
-    layer); where a user is not element-wise it makes the same addmm as before. The backward's products then stay
-    alive until the add's user runs: on the T4 long rows with dropout 0 the kernels were 2.7-4% shorter at a 0.14 GiB
-    higher peak (the shape a layer with dropout has anyway, which the memory estimate's counts were measured with);
-    with the layers replayed as CUDA graphs, 0.13 GiB more for no kernel time, so there the backward keeps the
-    in-place sums (write_sums_out_of_place; measurements in docs/performance.md, issue 49).
-    `widening` (an output wider than the input: an MLP's gate and up) keeps the in-place sum: their one user reads
-    both, and the unfused sums would hold two more tokens x intermediate tensors until it runs.
+    out-of-place `addmm` into a new buffer, which cuBLAS fills with a copy of y first (a device-to-device copy of the
+    projection's output per forward, and of its input gradient per backward). Two ways round it: written as a product
+    and an add, inductor leaves the two unfused on a GPU where every user of the sum is element-wise and fuses the add
+    into that user (the LoRA product is rounded once more, as in peft's own layer; where a user is not element-wise it
+    makes the same addmm); kept in place, the sum goes through freetune::add_product_ (_add_product_op), which inductor
+    runs on y's own buffer. The out-of-place backward's products stay alive until the add's user runs: with the
+    layers replayed as CUDA graphs that cost 0.13 GiB for no kernel time, so there the backward's sums stay in place
+    (write_sums_out_of_place; measurements in docs/performance.md, issue 49). `widening` (an output wider than the
+    input: the traced MLP's gate and up; the fused layer's are one product, base_plus_lora) keeps the sum in place:
+    their one user reads both, and the unfused sums would hold two more tokens x intermediate tensors until it runs.
     `* alpha`, not torch.add's alpha=: inductor's mm-plus-add pattern drops an add's alpha (torch 2.10-2.13 on a CPU:
     a wrong sum)."""
     import torch
 
-    if widening or not _OUT_OF_PLACE_SUMS[phase] or not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling():
+        return y.addmm_(m1, m2, alpha=alpha)
+    if widening or not _OUT_OF_PLACE_SUMS[phase]:
+        if _IN_PLACE_SUMS["op"]:
+            _add_product_op()(y, m1, m2, float(alpha))
+            return y
         return y.addmm_(m1, m2, alpha=alpha)
     product = m1 @ m2
     return y + (product if alpha == 1.0 else product * alpha)
+
+
+# Whether a compiled widening projection computes x W^T + s h B^T as one product (base_plus_lora); off: bench's
+# experiment widening_addmm.
+_ONE_PRODUCT = {"widening": True}
+
+
+def base_plus_lora(x, w, bias, h, b, scaling: float):
+    """x W^T (+ bias) + s * h B^T: a fused layer's output from its input x (tokens, in), its 16-bit weight w (out, in),
+    its LoRA-A output h (tokens, r) and B (out, r).
+
+    Traced into a compiled layer, a widening projection (out > in: an MLP's gate and up, 4-6 times wider than their
+    input) makes it one product, [x | h] [W | s B]^T: the LoRA sum was a pass over the projection's whole output
+    (tokens x out values read and written again; issue 49 in docs/performance.md), the join is one tokens x (in + r)
+    write, and the weight's dequantisation writes into the joined weight (inductor fuses the two). Only where in + r
+    keeps the rows 16-byte aligned (tensor cores' fast path). Elsewhere (eager, narrower outputs): the product and
+    plus_product's sum. The one product rounds once where the sum rounded the base product first."""
+    import torch
+
+    if (w.shape[0] > x.shape[-1] and _ONE_PRODUCT["widening"] and torch.compiler.is_compiling()
+            and (x.shape[-1] + h.shape[-1]) * x.element_size() % 16 == 0):
+        return torch.nn.functional.linear(torch.cat([x, h], dim=1), torch.cat([w, b * scaling], dim=1), bias)
+    y = torch.nn.functional.linear(x, w, bias)
+    return plus_product(y, h, b.t(), scaling, widening=y.shape[-1] > x.shape[-1])
 
 
 def _function():
@@ -129,9 +182,6 @@ def _function():
             out_dtype = x.dtype  # bitsandbytes' Linear4bit returns its input's dtype; so does this
             shape = x.shape
             x2 = x.reshape(-1, shape[-1]).to(compute)
-            w = nf4._dequantize(weight, absmax, spec, table)
-            y = torch.nn.functional.linear(x2, w, None if bias is None else bias.to(compute))
-            del w
             a, b = lora_a.to(compute), lora_b.to(compute)
             mask = None
             if dropout_p > 0.0:
@@ -143,7 +193,8 @@ def _function():
             else:
                 xd = x2
             h = xd @ a.t()                                   # (tokens, r)
-            y = plus_product(y, h, b.t(), scaling, widening=y.shape[-1] > x2.shape[-1])   # + s * h B^T
+            y = base_plus_lora(x2, nf4._dequantize(weight, absmax, spec, table),
+                               None if bias is None else bias.to(compute), h, b, scaling)   # x W^T + s * h B^T
             # The input, not its dropped copy, is saved (with the mask): q, k, v (and gate, up)
             # read the same input, which is then kept once for all of them instead of one 16-bit copy per
             # projection; the backward drops it again. Under checkpointing that is the largest part of a layer's
@@ -200,6 +251,7 @@ def _fused_function():
     global _FN
     if _FN is None:
         nf4._dequantized_mm_op()
+        _add_product_op()
         _FN = _function()
     return _FN
 
