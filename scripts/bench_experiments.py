@@ -23,7 +23,7 @@ from scripts.bench_prepare import ARCHITECTURE
 # (fp32_absmax is a plan setting under an experiment's name: job_plan turns it into keep_8bit_absmax=False.)
 EXPERIMENTS = ("liger", "cpp_wrapper", "combo_kernels", "dense_head", "no_packed_check", "pin_cores", "byte_masks",
                "fp32_absmax", "per_layer_casts", "copied_heads", "kv_head_calls", "trl_empty_cache", "no_triton",
-               "op_dgrad", "addmm_sums", "addmm_backward_sums", "traced_addmm",
+               "op_dgrad", "addmm_sums", "out_of_place_backward_sums", "traced_addmm",
                "widening_addmm",
                "skip_guards", "no_asserts", "gc_unfrozen", "lora_dropout", "full_recompute",
                "optimizer_per_tensor",
@@ -156,14 +156,14 @@ PATCHES: dict[str, tuple[Patch, ...]] = {
     # the backward's input gradients through freetune::dequantized_mm wherever the layers are compiled, as before issue
     # 49's in-graph dequantisation (freetune.plan.memory.dequantises_backward_in_graph)
     "op_dgrad": (Patch("freetune.speed.nf4", "dequantise_backward_in_graph", lambda old: lambda on: old(False)),),
-    # the compiled layers' LoRA sums in place, as before issue 49's out-of-place sums (freetune.speed.lora_kernel's
-    # plus_product): everywhere, or in the backward only
-    "addmm_sums": (Patch("freetune.speed.lora_kernel", "write_sums_out_of_place",
-                         lambda old: lambda backward, forward=True: old(False, False)),),
-    "addmm_backward_sums": (Patch("freetune.speed.lora_kernel", "write_sums_out_of_place",
-                                  lambda old: lambda backward, forward=True: old(False, forward)),),
-    # the in-place LoRA sums (the traced MLP's gate and up; the backward's with CUDA graphs; all under addmm_sums) as
-    # a traced addmm_, which copies its input, as before freetune::add_product_
+    # the compiled layers' LoRA sums in place everywhere (freetune.speed.lora_kernel's plus_product), as before issue
+    # 49's out-of-place forward sums; or the backward's out of place too, as the seventh session's plan had them
+    "addmm_sums": (Patch("freetune.speed.lora_kernel", "_OUT_OF_PLACE_SUMS",
+                         _set({"forward": False, "backward": False})),),
+    "out_of_place_backward_sums": (Patch("freetune.speed.lora_kernel", "_OUT_OF_PLACE_SUMS",
+                                         _set({"forward": True, "backward": True})),),
+    # the in-place LoRA sums (the traced MLP's gate and up; the backward's; all under addmm_sums) as a traced addmm_,
+    # which copies its input, as before freetune::add_product_
     "traced_addmm": (Patch("freetune.speed.lora_kernel", "_IN_PLACE_SUMS", _set({"op": False})),),
     # a compiled widening projection (an MLP's gate and up) as its base product and an in-place LoRA sum over its
     # output, as before freetune.speed.lora_kernel's base_plus_lora (one product over [x | h])

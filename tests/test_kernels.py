@@ -196,13 +196,12 @@ def products_over(gm, k: int) -> int:
 @pytest.mark.parametrize("in_place", [False, True])
 def test_compiled_layers_add_the_lora_term_as_a_product_and_an_add(tiny_model_dir, in_place, monkeypatch):
     """Traced into a compiled layer, a fused layer's LoRA sum (s h B^T onto x W^T; (s dy B) A onto dy W without
-    dropout) is a product and an add, not an in-place addmm_: functionalised, that was an out-of-place addmm whose
-    cuBLAS call copies its input first (512 copies of an H100's step on the T4 long rows). A widening projection (the
-    MLP's gate) computes its forward as one product over the joined input [x | h] (lora_kernel.base_plus_lora). Where
-    a sum stays in place, it goes through freetune::add_product_, never an addmm. The outputs and gradients are the
-    eager layer's. in_place: the switches off (bench's addmm_sums), the in-place op is there: the test sees the
-    change."""
-    # as torch.compile's feature sets it where no CUDA graphs replay the layers; in_place: as bench's addmm_sums
+    dropout) out of place is a product and an add, not an in-place addmm_ (functionalised, that was an out-of-place
+    addmm whose cuBLAS call copies its input first: 512 copies of an H100's step on the T4 long rows); in place it
+    goes through freetune::add_product_, never an addmm. A widening projection (the MLP's gate) computes its forward
+    as one product over the joined input [x | h] (lora_kernel.base_plus_lora). The outputs and gradients are the
+    eager layer's. in_place False: both phases out of place (bench's out_of_place_backward_sums); True: both in
+    place (addmm_sums); the plan's own has the forward's out of place and the backward's in place."""
     monkeypatch.setattr(lora_kernel, "_OUT_OF_PLACE_SUMS", {"forward": not in_place, "backward": not in_place})
     model = quantized_lora_model(tiny_model_dir, torch.float32)
     lora_kernel.use_fused_lora(model)
@@ -831,8 +830,7 @@ def test_the_plan_picks_the_fast_kernels_on_a_gpu_and_plain_ones_on_a_cpu():
 def test_the_compile_feature_sets_where_the_backward_dequantises_from_the_plan_and_resets_it(graph_tokens, mlp,
                                                                                             in_graph):
     """torch.compile's feature reads the plan (memory.dequantises_backward_in_graph: no CUDA graphs, 8-bit absmax
-    values; the backward's out-of-place LoRA sums: no CUDA graphs) before the layers trace, and its undo puts the op
-    and the in-place sums back for whatever compiles next."""
+    values) before the layers trace, and its undo puts the op back for whatever compiles next."""
     from types import SimpleNamespace
 
     kernels = SimpleNamespace(lora="fused", compile=True, mlp=mlp, cuda_graph_tokens=graph_tokens)
@@ -840,9 +838,6 @@ def test_the_compile_feature_sets_where_the_backward_dequantises_from_the_plan_a
     undo = compiled_layers._install(trainer, SimpleNamespace(kernels=kernels))
     try:
         assert nf4._IN_GRAPH["on"] is in_graph
-        # the backward's LoRA sums out of place where no CUDA graphs replay the layers (lora_kernel.plus_product)
-        assert lora_kernel._OUT_OF_PLACE_SUMS == {"forward": True, "backward": not graph_tokens}
     finally:
         undo()
     assert nf4._IN_GRAPH["on"] is False
-    assert lora_kernel._OUT_OF_PLACE_SUMS == {"forward": True, "backward": False}

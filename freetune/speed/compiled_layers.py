@@ -33,19 +33,17 @@ def _applies(plan, trainer) -> tuple[bool, str]:
 
 def _install(trainer, plan):
     from freetune.plan.memory import dequantises_backward_in_graph
-    from freetune.speed import lora_kernel, nf4
+    from freetune.speed import nf4
 
     kernels = plan.kernels
     # Read when the layers are traced (their first step); the plan's estimate counted what they cost.
     nf4.dequantise_backward_in_graph(dequantises_backward_in_graph(kernels.lora, kernels.compile, kernels.mlp,
                                                                    bool(kernels.cuda_graph_tokens)))
-    lora_kernel.write_sums_out_of_place(backward=not kernels.cuda_graph_tokens)
     compiled = compile_layers(trainer.model)
     print0(f"torch.compile: {compiled} decoder layers; the first steps are slower while they compile.")
 
     def undo():
         nf4.dequantise_backward_in_graph(False)
-        lora_kernel.write_sums_out_of_place(backward=False)
         uncompile_layers(trainer.model)  # the model may go on to generate: eager layers for that
 
     return undo

@@ -77,17 +77,10 @@ def unpack_mask(packed, n: int, dtype):
     return bits.view(packed.shape[0], -1)[:, :n].to(dtype)
 
 
-# Where compiled layers write a LoRA sum as a product and an add (plus_product), by phase; the backward's follows the
-# plan (write_sums_out_of_place, set by freetune.speed.compiled_layers).
+# Where compiled layers write a LoRA sum as a product and an add (plus_product), by phase; the backward's stay in place
+# through freetune::add_product_ (as fast and 0.14 GiB lower than out of place on the T4 long rows, issue 49).
+# scripts/bench_experiments.py's addmm_sums and out_of_place_backward_sums replace this dict.
 _OUT_OF_PLACE_SUMS = {"forward": True, "backward": False}
-
-
-def write_sums_out_of_place(backward: bool, forward: bool = True) -> None:
-    """Whether compiled layers traced from now on add their LoRA terms out of place (plus_product), in the forward and
-    in the backward. freetune.speed.compiled_layers turns the backward's on where the layers are not replayed as CUDA
-    graphs and off again when training ends; scripts/bench_experiments.py's addmm_sums and addmm_backward_sums
-    measure the in-place sums against it."""
-    _OUT_OF_PLACE_SUMS.update(forward=bool(forward), backward=bool(backward))
 
 
 # Whether compiled layers add an in-place LoRA sum through freetune::add_product_ (on) or through a traced addmm_ (off:
@@ -126,9 +119,9 @@ def plus_product(y, m1, m2, alpha: float = 1.0, phase: str = "forward", widening
     and an add, inductor leaves the two unfused on a GPU where every user of the sum is element-wise and fuses the add
     into that user (the LoRA product is rounded once more, as in peft's own layer; where a user is not element-wise it
     makes the same addmm); kept in place, the sum goes through freetune::add_product_ (_add_product_op), which inductor
-    runs on y's own buffer. The out-of-place backward's products stay alive until the add's user runs: with the
-    layers replayed as CUDA graphs that cost 0.13 GiB for no kernel time, so there the backward's sums stay in place
-    (write_sums_out_of_place; measurements in docs/performance.md, issue 49). `widening` (an output wider than the
+    runs on y's own buffer. The backward's sums stay in place: out of place, its products stayed alive until the
+    add's user ran, 0.13-0.14 GiB more for no kernel time (_OUT_OF_PLACE_SUMS; docs/performance.md, issue 49).
+    `widening` (an output wider than the
     input: the traced MLP's gate and up; the fused layer's are one product, base_plus_lora) keeps the sum in place:
     their one user reads both, and the unfused sums would hold two more tokens x intermediate tensors until it runs.
     `* alpha`, not torch.add's alpha=: inductor's mm-plus-add pattern drops an add's alpha (torch 2.10-2.13 on a CPU:
