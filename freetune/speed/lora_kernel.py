@@ -121,9 +121,9 @@ def plus_product(y, m1, m2, alpha: float = 1.0, phase: str = "forward", widening
     makes the same addmm); kept in place, the sum goes through freetune::add_product_ (_add_product_op), which inductor
     runs on y's own buffer. The backward's sums stay in place: out of place, its products stayed alive until the
     add's user ran, 0.13-0.14 GiB more for no kernel time (_OUT_OF_PLACE_SUMS; docs/performance.md, issue 49).
-    `widening` (an output wider than the
-    input: the traced MLP's gate and up; the fused layer's are one product, base_plus_lora) keeps the sum in place:
-    their one user reads both, and the unfused sums would hold two more tokens x intermediate tensors until it runs.
+    `widening` (an output wider than the input: the traced MLP's gate and up; the fused layer's are one product,
+    base_plus_lora) keeps the sum in place: their one user reads both, and the unfused sums would hold two more
+    tokens x intermediate tensors until it runs.
     `* alpha`, not torch.add's alpha=: inductor's mm-plus-add pattern drops an add's alpha (torch 2.10-2.13 on a CPU:
     a wrong sum)."""
     import torch
@@ -156,11 +156,11 @@ def base_plus_lora(x, w, bias, h, b, scaling: float):
     plus_product's sum. The one product rounds once where the sum rounded the base product first."""
     import torch
 
-    if (w.shape[0] > x.shape[-1] and _ONE_PRODUCT["widening"] and torch.compiler.is_compiling()
+    widening = w.shape[0] > x.shape[-1]
+    if (widening and _ONE_PRODUCT["widening"] and torch.compiler.is_compiling()
             and (x.shape[-1] + h.shape[-1]) * x.element_size() % 16 == 0):
         return torch.nn.functional.linear(torch.cat([x, h], dim=1), torch.cat([w, b * scaling], dim=1), bias)
-    y = torch.nn.functional.linear(x, w, bias)
-    return plus_product(y, h, b.t(), scaling, widening=y.shape[-1] > x.shape[-1])
+    return plus_product(torch.nn.functional.linear(x, w, bias), h, b.t(), scaling, widening=widening)
 
 
 def _function():
