@@ -186,3 +186,32 @@ def test_the_mlp_backward_op_gives_the_same_gradients_through_the_kernels():
 
 def test_the_mlp_backward_op_gives_the_same_gradients_through_the_kernels_on_a_gpu():
     check_mlp_backward_op(on_gpu())
+
+
+def check_dropout_draw(device):
+    """freetune::dropout_packed's kernel draws what freetune.speed.dropout.reference_draw draws: the same bits and the
+    same dropped values, over widths with a partial last byte and tensors of several programs; another seed, another
+    mask."""
+    from freetune.speed import dropout
+
+    assert triton_kernels.usable(torch.empty(1, device=device))
+    gen = torch.Generator().manual_seed(3)
+    for (tokens, cols), dtype, p in (((37, 203), torch.float16, 0.05), ((300, 96), torch.bfloat16, 0.5),
+                                     ((5, 3), torch.float32, 0.3)):
+        x = torch.randn(tokens, cols, generator=gen).to(dtype).to(device)
+        seed = torch.tensor([2**61 + 12345], device=device)  # both 32-bit key words in use
+        got = triton_kernels.run("dropout_packed", x, seed, p)
+        want = dropout.reference_draw(x, seed, p)
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0]), (tokens, cols, dtype)
+        assert 0 < (got[0] == 0).sum() < x.numel()
+        other = triton_kernels.run("dropout_packed", x, seed + 1, p)
+        assert not torch.equal(other[1], got[1])
+    assert not triton_kernels._BROKEN, triton_kernels._BROKEN
+
+
+def test_the_dropout_kernel_draws_what_the_reference_draws():
+    interpreted("check_dropout_draw")
+
+
+def test_the_dropout_kernel_draws_what_the_reference_draws_on_a_gpu():
+    check_dropout_draw(on_gpu())

@@ -30,7 +30,7 @@ from freetune.reach import peft_bnb as peft_bnb_reach
 # Which layers qualify reads peft's and bitsandbytes' internals: freetune.reach.peft_bnb.fusable.
 from freetune.reach.peft_bnb import fusable
 from freetune.reach.torch import foreach_copy_, mark_static, replace_forward, stash, stashed, unstash
-from freetune.speed import nf4
+from freetune.speed import dropout, nf4
 from freetune.speed.feature import Feature
 
 # What a fused layer carries (freetune.reach.torch.stash): that it is fused; the packed 4-bit weight as a plain tensor
@@ -177,12 +177,13 @@ def _function():
             x2 = x.reshape(-1, shape[-1]).to(compute)
             a, b = lora_a.to(compute), lora_b.to(compute)
             mask = None
-            if dropout_p > 0.0:
+            if dropout_p > 0.0 and torch.compiler.is_compiling():
+                # Drawn and packed as bits in one kernel (freetune.speed.dropout)
+                xd, mask = dropout.dropped_and_packed(x2, dropout_p)
+            elif dropout_p > 0.0:
+                # An eager layer keeps torch's dropout and its bool mask (packing would add a dozen launches per
+                # projection to a launch-bound step).
                 xd, mask = torch.native_dropout(x2, dropout_p, True)
-                if torch.compiler.is_compiling():
-                    # Packed where the packing fuses into the dropout kernel; an eager layer keeps the bool mask
-                    # (packing there would add a dozen launches per projection to a launch-bound step).
-                    mask = pack_mask(mask)
             else:
                 xd = x2
             h = xd @ a.t()                                   # (tokens, r)
@@ -245,6 +246,7 @@ def _fused_function():
     if _FN is None:
         nf4._dequantized_mm_op()
         _add_product_op()
+        dropout.dropout_op()
         _FN = _function()
     return _FN
 
@@ -273,13 +275,13 @@ def fused_call_args(layer, x) -> dict | None:
     if packed.device != x.device:  # the model was moved after use_fused_lora: peft's layer reads the moved weight
         return None
     name = layer.active_adapters[0]
-    dropout = layer.lora_dropout[name]
+    dropping = layer.lora_dropout[name]
     cast = stashed(layer, ADAPTER_16BIT_ATTR)
     lora_a, lora_b = cast if cast is not None else (layer.lora_A[name].weight, layer.lora_B[name].weight)
     return dict(weight=packed, absmax=stashed(layer, ABSMAX_ATTR), table=stashed(layer, ABSMAX_TABLE_ATTR),
                 spec=stashed(layer, SPEC_ATTR), bias=layer.base_layer.bias,
                 lora_a=lora_a, lora_b=lora_b, scaling=float(layer.scaling[name]),
-                dropout_p=dropout.p if isinstance(dropout, torch.nn.Dropout) else 0.0)
+                dropout_p=dropping.p if isinstance(dropping, torch.nn.Dropout) else 0.0)
 
 
 def _fused_forward(self, x, *args, **kwargs):

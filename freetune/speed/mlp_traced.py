@@ -5,7 +5,7 @@ takes it).
 
 from __future__ import annotations
 
-from freetune.speed import lora_kernel, mlp_ops, nf4, recompute
+from freetune.speed import dropout, lora_kernel, mlp_ops, nf4, recompute
 
 _TRACED = None  # the QLoRAMLP classes (the full node, the recompute's), built once, eagerly (as
 # freetune.speed.lora_kernel's QLoRALinear: dynamo cannot trace a class body)
@@ -36,8 +36,7 @@ def _project(inp, packed, absmax, table, spec, a, b, s, p: float, hs: list, mask
     y = torch.nn.functional.linear(inp, _dequantized(packed, absmax, table, spec))
     kept = None
     if p > 0.0:
-        dropped, kept = torch.native_dropout(inp, p, True)
-        kept = lora_kernel.pack_mask(kept)
+        dropped, kept = dropout.dropped_and_packed(inp, p)
     else:
         dropped = inp
     h = dropped @ a.t()
@@ -182,5 +181,6 @@ def traced_class():
     if _TRACED is None:
         mlp_ops._swiglu_backward_op()
         nf4._dequantized_mm_op()
+        dropout.dropout_op()
         _TRACED = _traced_function()
     return _TRACED

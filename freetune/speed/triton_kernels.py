@@ -140,6 +140,29 @@ def _pack_kernel(kept_ptr, out_ptr, n_out, cols, out_cols, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, bits.to(tl.uint8), mask=inside)
 
 
+@triton.jit
+def _dropout_packed_kernel(x_ptr, seed_ptr, out_ptr, bits_ptr, n_bytes, cols, bit_cols, p, scale,
+                           BYTES: tl.constexpr):
+    # BYTES bytes of the packed mask a program, 8 elements each (a (BYTES, 8) tile of x). Element e of the row-major
+    # padded layout (tokens, bit_cols * 8) draws output e % 4 of Philox's call on counter e // 4 (freetune.speed.dropout
+    # .reference_draw): a byte's 8 elements are 2 calls. Inductor's dropout draws one call per element (tl.rand keeps 1
+    # of its 4 outputs).
+    offs = tl.program_id(0) * BYTES + tl.arange(0, BYTES)
+    inside = offs < n_bytes
+    row = offs // bit_cols
+    col = (offs % bit_cols)[:, None] * 8 + tl.arange(0, 8)[None, :]
+    r0, r1, r2, r3 = tl.randint4x(tl.load(seed_ptr), 2 * offs[:, None] + tl.arange(0, 2)[None, :])
+    # (BYTES, 2) each -> (BYTES, 2, 2, 2) -> (BYTES, 8): element 4 * half + k takes r_k of its half's call
+    r = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [BYTES, 8])
+    where = inside[:, None] & (col < cols)
+    keep = (tl.random.uint_to_uniform_float(r) > p) & where
+    at = row[:, None] * cols + col
+    x = tl.load(x_ptr + at, mask=where, other=0.0).to(tl.float32)
+    tl.store(out_ptr + at, tl.where(keep, x * scale, 0.0).to(out_ptr.dtype.element_ty), mask=where)
+    bits = tl.sum(keep.to(tl.int32) << tl.arange(0, 8)[None, :], axis=1)
+    tl.store(bits_ptr + offs, bits.to(tl.uint8), mask=inside)
+
+
 def _grid(n: int):
     return (triton.cdiv(max(n, 1), BLOCK),)
 
@@ -186,3 +209,16 @@ def pack(kept):
     out = torch.empty(tokens, -(-cols // 8), dtype=torch.uint8, device=kept.device)
     _pack_kernel[_grid(out.numel())](kept, out, out.numel(), cols, out.shape[1], BLOCK=BLOCK)
     return out
+
+
+def dropout_packed(x, seed, p: float):
+    """(dropout(x), its keep-mask as bits) for a contiguous (tokens, n) x, drawn from the int64 `seed` (a one-element
+    tensor on x's device) as freetune.speed.dropout.reference_draw draws them: the same elements kept."""
+    tokens, cols = x.shape
+    bit_cols = -(-cols // 8)
+    out = torch.empty_like(x)
+    bits = torch.empty(tokens, bit_cols, dtype=torch.uint8, device=x.device)
+    n_bytes = bits.numel()
+    _dropout_packed_kernel[(triton.cdiv(max(n_bytes, 1), BLOCK // 8),)](x, seed, out, bits, n_bytes, cols, bit_cols,
+                                                                         float(p), 1.0 / (1.0 - p), BYTES=BLOCK // 8)
+    return out, bits

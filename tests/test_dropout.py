@@ -1,0 +1,123 @@
+"""freetune.speed.dropout: LoRA dropout drawn four elements per Philox call inside compiled layers.
+
+The draws are Random123's Philox-4x32-10 (its published known answers), each element kept with probability 1 - p
+independently of its neighbours in the same call and of the other projections' draws; a compiled layer trains through
+the mask its own op drew from torch's generator, and a checkpoint's recompute draws it again. The Triton kernel against
+reference_draw: tests/test_triton_kernels.py.
+"""
+
+import pytest
+import torch
+
+from freetune.speed import dropout, lora_kernel
+from test_kernels import aten_graphs, quantized_lora_model
+
+
+def test_philox_gives_random123s_known_answers():
+    """Random123's kat_vectors for philox4x32-10 (counter words, key words -> output words)."""
+    word = 0xFFFFFFFF
+    cases = [((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+             ((word,) * 4, (word, word), (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+             ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+              (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1))]
+    for counter, key, want in cases:
+        got = dropout.philox(tuple(torch.tensor([c]) for c in counter), tuple(torch.tensor([k]) for k in key))
+        assert tuple(int(w) for w in got) == want
+
+
+def test_each_element_is_kept_with_probability_1_minus_p_independently():
+    """Over 4M draws at p = 0.05: the kept share overall and at each of a byte's 8 places (the 4 outputs of 2 Philox
+    calls), and the share of neighbours dropped together (same call, next call) and of the same element dropped under
+    two seeds (two projections' masks over one input): p and p^2, within 6 standard deviations. The kept elements are
+    the input times 1 / (1 - p), the dropped ones 0; the bits are the mask lora_kernel.pack_mask makes."""
+    p, tokens, cols = 0.05, 1024, 4096
+    x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16) + 8  # none is 0
+    dropped, bits = dropout.reference_draw(x, torch.tensor([12345]), p)
+    kept = dropped != 0
+    assert torch.equal(bits, lora_kernel.pack_mask(kept))
+    assert torch.equal(dropped[kept], (x[kept].float() / (1 - p)).to(torch.bfloat16))
+
+    def near(share, want, n):
+        assert abs(share - want) < 6 * (want * (1 - want) / n) ** 0.5, (share, want)
+
+    n = kept.numel()
+    near(kept.float().mean().item(), 1 - p, n)
+    for place in range(8):
+        near(kept[:, place::8].float().mean().item(), 1 - p, n // 8)
+    gone = ~kept
+    near((gone[:, 0::2] & gone[:, 1::2]).float().mean().item(), p * p, n // 2)   # outputs of one call
+    near((gone[:, 3:-1:4] & gone[:, 4::4]).float().mean().item(), p * p, n // 4)  # last of a call, first of the next
+    other = dropout.reference_draw(x, torch.tensor([12346]), p)[0] == 0
+    near((gone & other).float().mean().item(), p * p, n)
+
+
+def projection(tiny_model_dir, p: float):
+    model = quantized_lora_model(tiny_model_dir, torch.float32, dropout=p)
+    lora_kernel.use_fused_lora(model)
+    return model.get_base_model().model.layers[0].mlp.down_proj
+
+
+def test_a_compiled_layer_drops_through_its_op_and_trains_through_that_mask(tiny_model_dir):
+    """Traced into a compiled layer, a fused projection's dropout is one freetune::dropout_packed call (no other random
+    draw but its seed's); its output and gradients are those of plain tensor code over the mask reference_draw draws
+    from the seed that torch's generator gives at that point (forward and backward: one mask)."""
+    import bitsandbytes.functional as bnbf
+
+    p = 0.3
+    layer = projection(tiny_model_dir, p)
+    name = layer.active_adapters[0]
+    a, b, s = layer.lora_A[name].weight, layer.lora_B[name].weight, layer.scaling[name]
+    x = torch.randn(3, 5, layer.in_features, generator=torch.Generator().manual_seed(2), requires_grad=True)
+
+    torch.manual_seed(7)
+    graphs, out = aten_graphs(layer, x)  # out.sum().backward() inside
+    got = (out.detach(), x.grad.clone(), a.grad.clone(), b.grad.clone())
+    targets = [str(node.target) for node in graphs["forward"].graph.nodes if node.op == "call_function"]
+    # the op and its seed's draw, no other random draw or dropout
+    assert sorted(t for t in targets if "rand" in t or "dropout" in t) == ["aten.randint.low",
+                                                                           "freetune.dropout_packed.default"]
+    x.grad = a.grad = b.grad = None
+
+    torch.manual_seed(7)
+    seed = torch.randint(0, 2**62, (1,))  # the draw the graph made first
+    x2 = x.detach().reshape(-1, layer.in_features).requires_grad_()
+    dropped, bits = dropout.reference_draw(x2, seed, p)
+    kept = lora_kernel.unpack_mask(bits, layer.in_features, torch.float32)
+    assert 0.55 < kept.mean().item() < 0.85
+    w = bnbf.dequantize_4bit(layer.base_layer.weight, layer.base_layer.weight.quant_state)
+    ref = x2 @ w.t() + s * ((x2 * kept / (1 - p)) @ a.t()) @ b.t()
+    ref.sum().backward()
+    want = (ref.detach().reshape(out.shape), x2.grad.reshape(x.shape), a.grad, b.grad)
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("four_draws", [True, False])
+def test_a_checkpointed_compiled_layer_draws_the_same_mask_in_its_recompute(tiny_model_dir, four_draws, monkeypatch):
+    """Under non-reentrant checkpointing (the plans' recompute) the compiled layer runs its forward again for the
+    backward; torch restores the generator's state for it, so the op's seed and its mask are the forward's: the same
+    output and gradients as without checkpointing from the same generator state (a new draw would give other
+    gradients, as a new seed does below). four_draws off: inductor's dropout (bench's inductor_dropout) holds the
+    same."""
+    import torch._dynamo
+    from torch.utils.checkpoint import checkpoint
+
+    monkeypatch.setattr(dropout, "_FOUR_DRAWS_PER_CALL", {"on": four_draws})
+    layer = projection(tiny_model_dir, 0.3)
+    a = layer.lora_A[layer.active_adapters[0]].weight
+    x = torch.randn(3, 5, layer.in_features, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    compiled = torch.compile(layer, fullgraph=True)
+    torch._dynamo.reset()
+    try:
+        runs = {}
+        for run, seed in (("plain", 7), ("checkpointed", 7), ("other seed", 8)):
+            torch.manual_seed(seed)
+            out = checkpoint(compiled, x, use_reentrant=False) if run == "checkpointed" else compiled(x)
+            (out * out).sum().backward()
+            runs[run] = (out.detach(), x.grad.clone(), a.grad.clone())
+            x.grad = a.grad = None
+    finally:
+        torch._dynamo.reset()
+    for got, want in zip(runs["checkpointed"], runs["plain"]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(runs["other seed"][2], runs["plain"][2])
