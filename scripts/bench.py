@@ -90,7 +90,7 @@ VARIANTS_HELP = (
     "traced_addmm=true (the in-place sums as a traced addmm_, which copies its input), "
     "widening_addmm=true (an MLP's gate and up as the base product and an in-place LoRA sum, not one product over "
     "[x | h]), inductor_dropout=true (compiled layers' LoRA dropout as inductor draws it: a Philox call per element, "
-    "not per 4), "
+    "not per 4), dropout_op=true (drawn four per call, but the dropped input written and multiplied by A apart), "
     "skip_guards=true (after two steps dynamo checks only the guards that tell the layers' "
     "graphs apart), no_asserts=true (no size/stride checks in the compiled graphs' "
     "wrappers), gc_unfrozen=true (no gc.freeze after the warm-up), "

@@ -57,12 +57,15 @@ def projection(tiny_model_dir, p: float):
     return model.get_base_model().model.layers[0].mlp.down_proj
 
 
-def test_a_compiled_layer_drops_through_its_op_and_trains_through_that_mask(tiny_model_dir):
-    """Traced into a compiled layer, a fused projection's dropout is one freetune::dropout_packed call (no other random
-    draw but its seed's); its output and gradients are those of plain tensor code over the mask reference_draw draws
-    from the seed that torch's generator gives at that point (forward and backward: one mask)."""
+@pytest.mark.parametrize("how", ["product", "op"])
+def test_a_compiled_layer_drops_through_its_op_and_trains_through_that_mask(tiny_model_dir, how, monkeypatch):
+    """Traced into a compiled layer, a fused projection's dropout is one freetune::dropped_product call (how="op",
+    bench's dropout_op: freetune::dropout_packed), no other random draw but its seed's; its output and gradients are
+    those of plain tensor code over the mask reference_draw draws from the seed that torch's generator gives at that
+    point (forward and backward: one mask)."""
     import bitsandbytes.functional as bnbf
 
+    monkeypatch.setattr(dropout, "_DRAW", {"how": how})
     p = 0.3
     layer = projection(tiny_model_dir, p)
     name = layer.active_adapters[0]
@@ -74,8 +77,8 @@ def test_a_compiled_layer_drops_through_its_op_and_trains_through_that_mask(tiny
     got = (out.detach(), x.grad.clone(), a.grad.clone(), b.grad.clone())
     targets = [str(node.target) for node in graphs["forward"].graph.nodes if node.op == "call_function"]
     # the op and its seed's draw, no other random draw or dropout
-    assert sorted(t for t in targets if "rand" in t or "dropout" in t) == ["aten.randint.low",
-                                                                           "freetune.dropout_packed.default"]
+    op = {"product": "freetune.dropped_product.default", "op": "freetune.dropout_packed.default"}[how]
+    assert sorted(t for t in targets if "rand" in t or "drop" in t) == ["aten.randint.low", op]
     x.grad = a.grad = b.grad = None
 
     torch.manual_seed(7)
@@ -92,17 +95,17 @@ def test_a_compiled_layer_drops_through_its_op_and_trains_through_that_mask(tiny
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("four_draws", [True, False])
-def test_a_checkpointed_compiled_layer_draws_the_same_mask_in_its_recompute(tiny_model_dir, four_draws, monkeypatch):
+@pytest.mark.parametrize("how", ["product", "inductor"])
+def test_a_checkpointed_compiled_layer_draws_the_same_mask_in_its_recompute(tiny_model_dir, how, monkeypatch):
     """Under non-reentrant checkpointing (the plans' recompute) the compiled layer runs its forward again for the
     backward; torch restores the generator's state for it, so the op's seed and its mask are the forward's: the same
     output and gradients as without checkpointing from the same generator state (a new draw would give other
-    gradients, as a new seed does below). four_draws off: inductor's dropout (bench's inductor_dropout) holds the
+    gradients, as a new seed does below). how="inductor": inductor's dropout (bench's inductor_dropout) holds the
     same."""
     import torch._dynamo
     from torch.utils.checkpoint import checkpoint
 
-    monkeypatch.setattr(dropout, "_FOUR_DRAWS_PER_CALL", {"on": four_draws})
+    monkeypatch.setattr(dropout, "_DRAW", {"how": how})
     layer = projection(tiny_model_dir, 0.3)
     a = layer.lora_A[layer.active_adapters[0]].weight
     x = torch.randn(3, 5, layer.in_features, generator=torch.Generator().manual_seed(2), requires_grad=True)

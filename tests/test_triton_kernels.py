@@ -191,7 +191,7 @@ def test_the_mlp_backward_op_gives_the_same_gradients_through_the_kernels_on_a_g
 def check_dropout_draw(device):
     """freetune::dropout_packed's kernel draws what freetune.speed.dropout.reference_draw draws: the same bits and the
     same dropped values, over widths with a partial last byte and tensors of several programs; another seed, another
-    mask."""
+    mask. freetune::dropped_product's kernel: the same bits and the LoRA-A product of those dropped values."""
     from freetune.speed import dropout
 
     assert triton_kernels.usable(torch.empty(1, device=device))
@@ -206,6 +206,16 @@ def check_dropout_draw(device):
         assert 0 < (got[0] == 0).sum() < x.numel()
         other = triton_kernels.run("dropout_packed", x, seed + 1, p)
         assert not torch.equal(other[1], got[1])
+        # The LoRA-A product from the same draws: the same bits, the product of the reference's dropped x within a
+        # rounding of the 16-bit output; ranks below tl.dot's 16, at it, and between powers of two. (Its bf16 product
+        # only on a GPU: Triton 3.9's interpreter gave bf16 products 1e11 off; NumPy has no bf16.)
+        if dtype == torch.float16 or dtype == torch.bfloat16 and device != "cpu":
+            for rank in (8, 16, 20):
+                a = (torch.randn(rank, cols, generator=gen) / cols**0.5).to(dtype).to(device)
+                h, bits = triton_kernels.run("dropped_product", x, a, seed, p)
+                assert torch.equal(bits, want[1]) and h.shape == (tokens, rank) and h.dtype == dtype
+                torch.testing.assert_close(h.float(), (want[0].float() @ a.float().t()), rtol=2 * rounding(dtype),
+                                           atol=2 * rounding(dtype))
     assert not triton_kernels._BROKEN, triton_kernels._BROKEN
 
 

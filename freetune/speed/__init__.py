@@ -9,7 +9,8 @@ Modules the features use, installed elsewhere or by them: batching (the padding-
 freetune.trainer.FreetuneTrainer), bnb_cpu (bitsandbytes' CPU 4-bit kernel fixed at model load, freetune.model),
 nf4 (a 4-bit weight's state as plain tensors, and its dequantisation), triton_kernels (launched by the fused LoRA and
 MLP ops on a GPU), attention_efficient (the memory-efficient kernel's custom ops), layer_graphs (what cuda_graphs
-records and replays), mlp_ops and mlp_traced (the fused MLP's parts and its traced form).
+records and replays), mlp_ops and mlp_traced (the fused MLP's parts and its traced form), dropout (LoRA dropout's
+draws inside compiled layers).
 
 Feature modules are imported when training asks for them (features()), not with this package: batching and the
 reaches that import it stay light.

@@ -1,12 +1,15 @@
-"""LoRA dropout inside compiled layers: each element's keep-draw from a quarter of a Philox call, not a whole one.
+"""LoRA dropout inside compiled layers: each element's keep-draw from a quarter of a Philox call, not a whole one,
+and the dropped input never written.
 
 Why: a LoRA projection drops its own copy of its input (q, k and v each draw a mask over the same hidden states), so
 a step of Qwen2.5-1.5B on 8 x 1,024 tokens draws about 5 billion keep-draws (forward and recompute). inductor lowers
 dropout to Triton's `tl.rand`, which runs a Philox-4x32-10 call (ten rounds of 32-bit multiplies) per element and keeps
-1 of its 4 outputs; on an H100 those draws were most of the 23 ms a step that LoRA dropout 0.05 added to the T4
-long-row run's kernels (docs/performance.md, issue 49). `freetune::dropout_packed` draws all four outputs of each call
-(one kernel per projection, freetune.speed.triton_kernels) and writes the dropped input and its keep-mask as bits
-(freetune.speed.lora_kernel.pack_mask's layout) in the same pass.
+1 of its 4 outputs, then writes the dropped input for the LoRA-A product to read back; on an H100 that was most of the
+23 ms a step that LoRA dropout 0.05 added to the T4 long-row run's kernels (docs/performance.md, issue 49).
+`freetune::dropped_product` takes all four outputs of each call and computes the LoRA-A output dropout(x) A^T from the
+draws in the same kernel (freetune.speed.triton_kernels), writing only that (tokens x r) and the keep-mask as bits
+(freetune.speed.lora_kernel.pack_mask's layout) for the backward; `freetune::dropout_packed` draws the same mask and
+writes the dropped input (bench's dropout_op, and the fallback where the product kernel does not take the dtype).
 
 What is computed is what dropout computes: every element kept independently with probability 1 - p, the kept ones
 times 1 / (1 - p), from a 31-bit uniform number compared with p as `tl.rand`'s are; only which numbers the draws take
@@ -15,17 +18,18 @@ torch's generator inside the graph (one torch.randint per projection), so a chec
 generator state torch restores, draws the same mask again; the backward reads the saved bits, never the seed.
 
 Where there is no Triton kernel for the tensor (no Triton, or a launch that failed), a GPU draws with torch's own
-dropout kernel and a CPU with `reference_draw`, the same numbers as the kernel in torch code (the tests compare them).
+dropout kernel and a CPU with `reference_draw`, the same numbers as the kernels in torch code (the tests compare them).
 """
 
 from __future__ import annotations
 
 from freetune.speed import nf4
 
-# Whether compiled layers draw LoRA dropout through freetune::dropout_packed (on) or inductor's own dropout (off:
-# scripts/bench_experiments.py's inductor_dropout, which measures the difference).
-_FOUR_DRAWS_PER_CALL = {"on": True}
-_OP: dict = {}  # "op": freetune::dropout_packed, defined once per process
+# How compiled layers draw LoRA dropout: "product", freetune::dropped_product (the LoRA-A product computed from the
+# draws in the same kernel, the dropped input never written); "op", freetune::dropout_packed and then the product;
+# "inductor", inductor's own dropout. scripts/bench_experiments.py's dropout_op and inductor_dropout set the others.
+_DRAW = {"how": "product"}
+_OPS: dict = {}  # the custom ops by name, defined once per process
 
 _WORD = 0xFFFFFFFF
 _UNIFORM_31_BITS = 4.6566127342e-10  # 2 ** -31 as Triton's uint_to_uniform_float writes it
@@ -65,13 +69,17 @@ def reference_draw(x, seed, p: float):
     return dropped, pack_mask(keep)
 
 
+def _fits_the_kernels(x) -> bool:
+    # int32 indexing in the kernels: x's elements and the Philox counters (2 a byte) stay below 2**31
+    return x.is_contiguous() and x.numel() < 2**30
+
+
 def _draw(x, seed, p: float):
     """freetune::dropout_packed's body: the Triton kernel where it runs on x, else torch's code (see the module)."""
     import torch
 
     fast = nf4.triton_for(x)
-    # int32 indexing in the kernel: x's elements and the Philox counters (2 a byte) stay below 2**31
-    if fast is not None and x.is_contiguous() and x.numel() < 2**30:
+    if fast is not None and _fits_the_kernels(x):
         out = fast.run("dropout_packed", x, seed, p)
         if out is not None:
             return out
@@ -83,31 +91,82 @@ def _draw(x, seed, p: float):
     return reference_draw(x, seed, p)
 
 
-def dropout_op():
-    """freetune::dropout_packed(x, seed, p) -> (dropout(x), keep-mask bits), made once, eagerly (dynamo cannot trace
-    its making): the compiled layers call it as one opaque kernel."""
-    if "op" not in _OP:
+def _product_kernel_runs(x, a) -> bool:
+    """Whether freetune::dropped_product's kernel takes x and A: 16-bit (tl.dot's inputs; fp32 would round to tf32),
+    bf16 only where the GPU multiplies it (compute capability 8.0 on; a T4 trains in fp16)."""
+    import torch
+
+    return (x.dtype == a.dtype and _fits_the_kernels(x) and a.is_contiguous()
+            and (x.dtype == torch.float16 or x.dtype == torch.bfloat16 and (
+                not x.is_cuda or torch.cuda.get_device_capability(x.device) >= (8, 0))))
+
+
+def _dropped_product(x, a, seed, p: float):
+    """freetune::dropped_product's body: the Triton kernel where it runs on x, else the draw and a product."""
+    fast = nf4.triton_for(x)
+    if fast is not None and _product_kernel_runs(x, a):
+        out = fast.run("dropped_product", x, a, seed, p)
+        if out is not None:
+            return out
+    dropped, bits = _draw(x, seed, p)
+    return dropped @ a.t(), bits
+
+
+def _op(name: str):
+    """The custom op `name` (made once, eagerly: dynamo cannot trace its making; the compiled layers call each as one
+    opaque kernel): freetune::dropout_packed(x, seed, p) -> (dropout(x), keep-mask bits) and
+    freetune::dropped_product(x, a, seed, p) -> (dropout(x) A^T, keep-mask bits)."""
+    if name not in _OPS:
         import torch
 
-        op = torch.library.custom_op("freetune::dropout_packed", _draw, mutates_args=(),
-                                     schema="(Tensor x, Tensor seed, float p) -> (Tensor, Tensor)")
-        op.register_fake(lambda x, seed, p: (torch.empty_like(x),
-                                             x.new_empty((x.shape[0], -(-x.shape[1] // 8)), dtype=torch.uint8)))
-        _OP["op"] = op
-    return _OP["op"]
+        def bits_like(x):
+            return x.new_empty((x.shape[0], -(-x.shape[1] // 8)), dtype=torch.uint8)
+
+        if name == "dropout_packed":
+            op = torch.library.custom_op("freetune::dropout_packed", _draw, mutates_args=(),
+                                         schema="(Tensor x, Tensor seed, float p) -> (Tensor, Tensor)")
+            op.register_fake(lambda x, seed, p: (torch.empty_like(x), bits_like(x)))
+        else:
+            op = torch.library.custom_op("freetune::dropped_product", _dropped_product, mutates_args=(),
+                                         schema="(Tensor x, Tensor a, Tensor seed, float p) -> (Tensor, Tensor)")
+            op.register_fake(lambda x, a, seed, p: (x.new_empty((x.shape[0], a.shape[0])), bits_like(x)))
+        _OPS[name] = op
+    return _OPS[name]
+
+
+def make_ops() -> None:
+    """Both ops, now, eagerly (the fused layer's and the traced MLP's function builders call this)."""
+    _op("dropout_packed")
+    _op("dropped_product")
+
+
+def _seed(x):
+    """A Philox key from torch's generator, drawn in the graph: a checkpoint's recompute draws it again."""
+    import torch
+
+    return torch.randint(0, 2**62, (1,), device=x.device)
 
 
 def dropped_and_packed(x, p: float):
     """(dropout(x), its keep-mask as bits: lora_kernel.pack_mask's layout) for a (tokens, n) x: inside a compiled
-    layer through freetune::dropout_packed (made by dropout_op before tracing); eagerly, or where the bench experiment
-    inductor_dropout asks for it, through torch's dropout (traced: inductor's)."""
+    layer through freetune::dropout_packed; eagerly, or where the bench experiment inductor_dropout asks for it,
+    through torch's dropout (traced: inductor's)."""
     import torch
 
-    if _FOUR_DRAWS_PER_CALL["on"] and torch.compiler.is_compiling():
-        # the seed from torch's generator, in the graph: a checkpoint's recompute draws it again
-        seed = torch.randint(0, 2**62, (1,), device=x.device)
-        return dropout_op()(x.contiguous(), seed, p)
+    if _DRAW["how"] != "inductor" and torch.compiler.is_compiling():
+        return _op("dropout_packed")(x.contiguous(), _seed(x), p)
     from freetune.speed.lora_kernel import pack_mask
 
     dropped, kept = torch.native_dropout(x, p, True)
     return dropped, pack_mask(kept)
+
+
+def lora_a_of_dropped(x, a, p: float):
+    """(dropout(x) A^T, dropout's keep-mask as bits) for a (tokens, n) x and the (r, n) LoRA A: a fused projection's
+    LoRA-A output. Inside a compiled layer one kernel (freetune::dropped_product) where _DRAW says so."""
+    import torch
+
+    if _DRAW["how"] == "product" and torch.compiler.is_compiling():
+        return _op("dropped_product")(x.contiguous(), a.contiguous(), _seed(x), p)
+    dropped, bits = dropped_and_packed(x, p)
+    return dropped @ a.t(), bits

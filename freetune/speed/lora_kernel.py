@@ -178,15 +178,15 @@ def _function():
             a, b = lora_a.to(compute), lora_b.to(compute)
             mask = None
             if dropout_p > 0.0 and torch.compiler.is_compiling():
-                # Drawn and packed as bits in one kernel (freetune.speed.dropout)
-                xd, mask = dropout.dropped_and_packed(x2, dropout_p)
-            elif dropout_p > 0.0:
-                # An eager layer keeps torch's dropout and its bool mask (packing would add a dozen launches per
-                # projection to a launch-bound step).
-                xd, mask = torch.native_dropout(x2, dropout_p, True)
+                # Drawn, packed as bits and multiplied by A in one kernel (freetune.speed.dropout)
+                h, mask = dropout.lora_a_of_dropped(x2, a, dropout_p)
             else:
                 xd = x2
-            h = xd @ a.t()                                   # (tokens, r)
+                if dropout_p > 0.0:
+                    # An eager layer keeps torch's dropout and its bool mask (packing would add a dozen launches
+                    # per projection to a launch-bound step).
+                    xd, mask = torch.native_dropout(x2, dropout_p, True)
+                h = xd @ a.t()                               # (tokens, r)
             y = base_plus_lora(x2, nf4._dequantize(weight, absmax, spec, table),
                                None if bias is None else bias.to(compute), h, b, scaling)   # x W^T + s * h B^T
             # The input, not its dropped copy, is saved (with the mask): q, k, v (and gate, up)
@@ -246,7 +246,7 @@ def _fused_function():
     if _FN is None:
         nf4._dequantized_mm_op()
         _add_product_op()
-        dropout.dropout_op()
+        dropout.make_ops()
         _FN = _function()
     return _FN
 

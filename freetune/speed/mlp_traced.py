@@ -36,10 +36,9 @@ def _project(inp, packed, absmax, table, spec, a, b, s, p: float, hs: list, mask
     y = torch.nn.functional.linear(inp, _dequantized(packed, absmax, table, spec))
     kept = None
     if p > 0.0:
-        dropped, kept = dropout.dropped_and_packed(inp, p)
+        h, kept = dropout.lora_a_of_dropped(inp, a, p)
     else:
-        dropped = inp
-    h = dropped @ a.t()
+        h = inp @ a.t()
     y = lora_kernel.plus_product(y, h, b.t(), s, widening=y.shape[-1] > inp.shape[-1])
     hs.append(h)
     masks.append(kept)
@@ -181,6 +180,6 @@ def traced_class():
     if _TRACED is None:
         mlp_ops._swiglu_backward_op()
         nf4._dequantized_mm_op()
-        dropout.dropout_op()
+        dropout.make_ops()
         _TRACED = _traced_function()
     return _TRACED

@@ -163,6 +163,38 @@ def _dropout_packed_kernel(x_ptr, seed_ptr, out_ptr, bits_ptr, n_bytes, cols, bi
     tl.store(bits_ptr + offs, bits.to(tl.uint8), mask=inside)
 
 
+@triton.jit
+def _dropped_product_kernel(x_ptr, a_ptr, seed_ptr, h_ptr, bits_ptr, tokens, cols, bit_cols, rank, p, scale,
+                            PADDED: tl.constexpr, R: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+    # h = dropout(x) A^T for ROWS rows of x a program, COLS columns at a time, with the keep-draws of
+    # _dropout_packed_kernel (the same elements kept); the mask's bits written on the way, the dropped x never.
+    # PADDED (8 * bit_cols) a constant: one build per width (a model has two or three), and Triton 3.6's interpreter
+    # cannot loop up to a run-time scalar.
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_in = rows < tokens
+    seed = tl.load(seed_ptr)
+    ranks = tl.arange(0, R)  # R: the rank padded to a power of two >= 16 (tl.dot's least)
+    acc = tl.zeros([ROWS, R], dtype=tl.float32)
+    for first in range(0, PADDED, COLS):
+        nth_byte = first // 8 + tl.arange(0, COLS // 8)
+        byte = rows[:, None] * bit_cols + nth_byte[None, :]
+        r0, r1, r2, r3 = tl.randint4x(seed, 2 * byte[:, :, None] + tl.arange(0, 2)[None, None, :])
+        r = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [ROWS, COLS])
+        col = first + tl.arange(0, COLS)
+        where = row_in[:, None] & (col < cols)[None, :]
+        keep = (tl.random.uint_to_uniform_float(r) > p) & where
+        x = tl.load(x_ptr + rows[:, None] * cols + col[None, :], mask=where, other=0.0).to(tl.float32)
+        dropped = tl.where(keep, x * scale, 0.0).to(x_ptr.dtype.element_ty)
+        a_t = tl.load(a_ptr + ranks[None, :] * cols + col[:, None],
+                      mask=(ranks < rank)[None, :] & (col < cols)[:, None], other=0.0)
+        acc += tl.dot(dropped, a_t.to(dropped.dtype))
+        shifted = tl.reshape(keep.to(tl.int32), [ROWS, COLS // 8, 8]) << tl.arange(0, 8)[None, None, :]
+        tl.store(bits_ptr + byte, tl.sum(shifted, axis=2).to(tl.uint8),
+                 mask=row_in[:, None] & (nth_byte < bit_cols)[None, :])
+    tl.store(h_ptr + rows[:, None] * rank + ranks[None, :], acc.to(h_ptr.dtype.element_ty),
+             mask=row_in[:, None] & (ranks < rank)[None, :])
+
+
 def _grid(n: int):
     return (triton.cdiv(max(n, 1), BLOCK),)
 
@@ -222,3 +254,17 @@ def dropout_packed(x, seed, p: float):
     _dropout_packed_kernel[(triton.cdiv(max(n_bytes, 1), BLOCK // 8),)](x, seed, out, bits, n_bytes, cols, bit_cols,
                                                                          float(p), 1.0 / (1.0 - p), BYTES=BLOCK // 8)
     return out, bits
+
+
+def dropped_product(x, a, seed, p: float):
+    """(dropout(x) A^T, dropout's keep-mask as bits) for a contiguous (tokens, n) x and (r, n) A of x's dtype: the
+    elements dropout_packed keeps, summed in fp32 and rounded once (as a cuBLAS product of the dropped x)."""
+    tokens, cols = x.shape
+    rank = a.shape[0]
+    h = torch.empty(tokens, rank, dtype=x.dtype, device=x.device)
+    bits = torch.empty(tokens, -(-cols // 8), dtype=torch.uint8, device=x.device)
+    rows = 32
+    _dropped_product_kernel[(triton.cdiv(max(tokens, 1), rows),)](
+        x, a, seed, h, bits, tokens, cols, bits.shape[1], rank, float(p), 1.0 / (1.0 - p),
+        PADDED=8 * bits.shape[1], R=max(16, triton.next_power_of_2(rank)), ROWS=rows, COLS=64)
+    return h, bits
