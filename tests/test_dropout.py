@@ -59,10 +59,10 @@ def projection(tiny_model_dir, p: float):
 
 @pytest.mark.parametrize("how", ["product", "op"])
 def test_a_compiled_layer_drops_through_its_op_and_trains_through_that_mask(tiny_model_dir, how, monkeypatch):
-    """Traced into a compiled layer, a fused projection's dropout is one freetune::dropped_product call (how="op",
-    bench's dropout_op: freetune::dropout_packed), no other random draw but its seed's; its output and gradients are
-    those of plain tensor code over the mask reference_draw draws from the seed that torch's generator gives at that
-    point (forward and backward: one mask)."""
+    """Traced into a compiled layer with bench's dropout_product (how="product"), a fused projection's dropout is one
+    freetune::dropped_product call (dropout_op: freetune::dropout_packed), no other random draw but its seed's; its
+    output and gradients are those of plain tensor code over the mask reference_draw draws from the seed that torch's
+    generator gives at that point (forward and backward: one mask)."""
     import bitsandbytes.functional as bnbf
 
     monkeypatch.setattr(dropout, "_DRAW", {"how": how})
@@ -100,8 +100,8 @@ def test_a_checkpointed_compiled_layer_draws_the_same_mask_in_its_recompute(tiny
     """Under non-reentrant checkpointing (the plans' recompute) the compiled layer runs its forward again for the
     backward; torch restores the generator's state for it, so the op's seed and its mask are the forward's: the same
     output and gradients as without checkpointing from the same generator state (a new draw would give other
-    gradients, as a new seed does below). how="inductor": inductor's dropout (bench's inductor_dropout) holds the
-    same."""
+    gradients, as a new seed does below). how="inductor": inductor's dropout (the default until the ops are measured on
+    a GPU) holds the same."""
     import torch._dynamo
     from torch.utils.checkpoint import checkpoint
 

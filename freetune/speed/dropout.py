@@ -4,8 +4,9 @@ and the dropped input never written.
 Why: a LoRA projection drops its own copy of its input (q, k and v each draw a mask over the same hidden states), so
 a step of Qwen2.5-1.5B on 8 x 1,024 tokens draws about 5 billion keep-draws (forward and recompute). inductor lowers
 dropout to Triton's `tl.rand`, which runs a Philox-4x32-10 call (ten rounds of 32-bit multiplies) per element and keeps
-1 of its 4 outputs, then writes the dropped input for the LoRA-A product to read back; on an H100 that was most of the
-23 ms a step that LoRA dropout 0.05 added to the T4 long-row run's kernels (docs/performance.md, issue 49).
+1 of its 4 outputs, then writes the dropped input for the LoRA-A product to read back. On an H100, LoRA dropout 0.05
+added 23 ms to the T4 long-row step's kernels, 22.8 of them in the compiled element-wise kernels where those draws,
+copies and masks are (docs/performance.md, issue 49).
 `freetune::dropped_product` takes all four outputs of each call and computes the LoRA-A output dropout(x) A^T from the
 draws in the same kernel (freetune.speed.triton_kernels), writing only that (tokens x r) and the keep-mask as bits
 (freetune.speed.lora_kernel.pack_mask's layout) for the backward; `freetune::dropout_packed` draws the same mask and
@@ -17,6 +18,9 @@ from the generator differs (as it already differs between inductor's dropout and
 torch's generator inside the graph (one torch.randint per projection), so a checkpointed layer's recompute, whose
 generator state torch restores, draws the same mask again; the backward reads the saved bits, never the seed.
 
+Not yet the default: compiled layers keep inductor's dropout (_DRAW) until a GPU has measured the ops against it
+(bench.py's experiments dropout_product and dropout_op; the kernels are checked on a CPU through Triton's interpreter).
+
 Where there is no Triton kernel for the tensor (no Triton, or a launch that failed), a GPU draws with torch's own
 dropout kernel and a CPU with `reference_draw`, the same numbers as the kernels in torch code (the tests compare them).
 """
@@ -27,8 +31,9 @@ from freetune.speed import nf4
 
 # How compiled layers draw LoRA dropout: "product", freetune::dropped_product (the LoRA-A product computed from the
 # draws in the same kernel, the dropped input never written); "op", freetune::dropout_packed and then the product;
-# "inductor", inductor's own dropout. scripts/bench_experiments.py's dropout_op and inductor_dropout set the others.
-_DRAW = {"how": "product"}
+# "inductor", inductor's own dropout. inductor's until the ops are measured on a GPU (none was lent the session that
+# wrote them): scripts/bench_experiments.py's dropout_product and dropout_op set the others.
+_DRAW = {"how": "inductor"}
 _OPS: dict = {}  # the custom ops by name, defined once per process
 
 _WORD = 0xFFFFFFFF
@@ -93,10 +98,11 @@ def _draw(x, seed, p: float):
 
 def _product_kernel_runs(x, a) -> bool:
     """Whether freetune::dropped_product's kernel takes x and A: 16-bit (tl.dot's inputs; fp32 would round to tf32),
-    bf16 only where the GPU multiplies it (compute capability 8.0 on; a T4 trains in fp16)."""
+    bf16 only where the GPU multiplies it (compute capability 8.0 on; a T4 trains in fp16), a rank up to 128 (its
+    fp32 sums held in registers)."""
     import torch
 
-    return (x.dtype == a.dtype and _fits_the_kernels(x) and a.is_contiguous()
+    return (x.dtype == a.dtype and _fits_the_kernels(x) and a.is_contiguous() and a.shape[0] <= 128
             and (x.dtype == torch.float16 or x.dtype == torch.bfloat16 and (
                 not x.is_cuda or torch.cuda.get_device_capability(x.device) >= (8, 0))))
 
@@ -149,8 +155,7 @@ def _seed(x):
 
 def dropped_and_packed(x, p: float):
     """(dropout(x), its keep-mask as bits: lora_kernel.pack_mask's layout) for a (tokens, n) x: inside a compiled
-    layer through freetune::dropout_packed; eagerly, or where the bench experiment inductor_dropout asks for it,
-    through torch's dropout (traced: inductor's)."""
+    layer through freetune::dropout_packed where _DRAW says so; else through torch's dropout (traced: inductor's)."""
     import torch
 
     if _DRAW["how"] != "inductor" and torch.compiler.is_compiling():
