@@ -14,6 +14,10 @@ and on a GPU): the dequantisation bit for bit as bitsandbytes' (the absmax value
 apart, as bitsandbytes does: fp contraction off), the SwiGLU steps in fp32 with one rounding at the end (as inductor
 computes them).
 
+Also the LoRA dropout ops' kernels (freetune.speed.dropout: the keep-draws four elements per Philox call, and the
+LoRA-A product from them), which compiled layers call where bench's dropout_product or dropout_op turns them on; their
+draws are dropout.reference_draw's, bit for bit.
+
 Imported where Triton is (freetune.speed.nf4.triton_for). A launch that fails (a GPU Triton cannot compile for) warns
 once and the callers take their eager path from then on.
 """
