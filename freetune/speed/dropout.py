@@ -81,19 +81,22 @@ def _fits_the_kernels(x) -> bool:
 
 def _draw(x, seed, p: float):
     """freetune::dropout_packed's body: the Triton kernel where it runs on x, else torch's code (see the module)."""
-    import torch
-
     fast = nf4.triton_for(x)
     if fast is not None and _fits_the_kernels(x):
         out = fast.run("dropout_packed", x, seed, p)
         if out is not None:
             return out
-    if x.is_cuda:
-        from freetune.speed.lora_kernel import pack_mask
+    return _torch_dropout(x, p) if x.is_cuda else reference_draw(x, seed, p)
 
-        dropped, kept = torch.native_dropout(x, p, True)
-        return dropped, pack_mask(kept)
-    return reference_draw(x, seed, p)
+
+def _torch_dropout(x, p: float):
+    """torch's dropout of x (traced: inductor's) and its keep-mask as bits."""
+    import torch
+
+    from freetune.speed.lora_kernel import pack_mask
+
+    dropped, kept = torch.native_dropout(x, p, True)
+    return dropped, pack_mask(kept)
 
 
 def _product_kernel_runs(x, a) -> bool:
@@ -153,25 +156,14 @@ def _seed(x):
     return torch.randint(0, 2**62, (1,), device=x.device)
 
 
-def dropped_and_packed(x, p: float):
-    """(dropout(x), its keep-mask as bits: lora_kernel.pack_mask's layout) for a (tokens, n) x: inside a compiled
-    layer through freetune::dropout_packed where _DRAW says so; else through torch's dropout (traced: inductor's)."""
-    import torch
-
-    if _DRAW["how"] != "inductor" and torch.compiler.is_compiling():
-        return _op("dropout_packed")(x.contiguous(), _seed(x), p)
-    from freetune.speed.lora_kernel import pack_mask
-
-    dropped, kept = torch.native_dropout(x, p, True)
-    return dropped, pack_mask(kept)
-
-
 def lora_a_of_dropped(x, a, p: float):
-    """(dropout(x) A^T, dropout's keep-mask as bits) for a (tokens, n) x and the (r, n) LoRA A: a fused projection's
-    LoRA-A output. Inside a compiled layer one kernel (freetune::dropped_product) where _DRAW says so."""
+    """(dropout(x) A^T, dropout's keep-mask as bits: lora_kernel.pack_mask's layout) for a (tokens, n) x and the
+    (r, n) LoRA A: a fused projection's LoRA-A output. Inside a compiled layer as _DRAW says (one kernel,
+    freetune::dropped_product; freetune::dropout_packed and a product; inductor's dropout); eagerly torch's dropout."""
     import torch
 
-    if _DRAW["how"] == "product" and torch.compiler.is_compiling():
+    how = _DRAW["how"] if torch.compiler.is_compiling() else "inductor"
+    if how == "product":
         return _op("dropped_product")(x.contiguous(), a.contiguous(), _seed(x), p)
-    dropped, bits = dropped_and_packed(x, p)
+    dropped, bits = _op("dropout_packed")(x.contiguous(), _seed(x), p) if how == "op" else _torch_dropout(x, p)
     return dropped @ a.t(), bits
