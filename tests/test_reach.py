@@ -19,7 +19,6 @@ or class level, or assigned on `self`; a freetune module's private (`kernels._de
 
 import ast
 import sys
-from pathlib import Path
 
 from conftest import REPO
 

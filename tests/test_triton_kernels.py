@@ -143,9 +143,8 @@ def check_mlp_backward_op(device):
     g, u, hg, hu, dy, dh = (rand(tokens, inter), rand(tokens, inter), rand(tokens, r), rand(tokens, r),
                             rand(tokens, hidden), rand(tokens, r))
     gb, ub, da = rand(inter, r, scale=0.1), rand(inter, r, scale=0.1), rand(r, inter, scale=0.1)
-    chunk, broken, launched, real_run = mlp_ops.CHUNK_TOKENS, dict(triton_kernels._BROKEN), [], triton_kernels.run
+    chunk, launched, real_run = mlp_ops.CHUNK_TOKENS, [], triton_kernels.run
     mlp_ops.CHUNK_TOKENS = 16  # several chunks, the last one partial (a process of its own, or restored below)
-    triton_kernels.run = lambda name, *a: launched.append(name) or real_run(name, *a)
     try:
         for dropout in (0.0, 0.1):
             kept = torch.rand(tokens, inter, generator=gen).to(device) > dropout
@@ -161,9 +160,9 @@ def check_mlp_backward_op(device):
                         list(spec[2]), spec[3], [2.0, 2.0, 2.0], dropout)
                     return grad_da.float(), grad_db.float(), gi.float(), ui.float()
 
-                triton_kernels._BROKEN["why"] = "the eager code, for comparison"
+                triton_kernels.run = lambda name, *a: None  # every kernel's caller takes its eager code
                 eager = run()
-                triton_kernels._BROKEN.clear()
+                triton_kernels.run = lambda name, *a: launched.append(name) or real_run(name, *a)
                 launched.clear()
                 with_kernels = run()
                 assert not triton_kernels._BROKEN, triton_kernels._BROKEN
@@ -176,8 +175,6 @@ def check_mlp_backward_op(device):
     finally:
         triton_kernels.run = real_run
         mlp_ops.CHUNK_TOKENS = chunk
-        triton_kernels._BROKEN.clear()
-        triton_kernels._BROKEN.update(broken)
 
 
 def test_the_mlp_backward_op_gives_the_same_gradients_through_the_kernels():
@@ -225,3 +222,22 @@ def test_the_dropout_kernel_draws_what_the_reference_draws():
 
 def test_the_dropout_kernel_draws_what_the_reference_draws_on_a_gpu():
     check_dropout_draw(on_gpu())
+
+
+def test_a_kernel_whose_launch_failed_sends_only_its_own_callers_to_the_eager_code(monkeypatch):
+    """A failed launch warns once and that kernel's run() returns None from then on (its callers' eager code); the
+    other kernels still launch: the dropout product's tl.dot failing must not cost the dequantisation its kernel."""
+    monkeypatch.setattr(triton_kernels, "_BROKEN", {})
+    calls = []
+
+    def failing(*args):
+        calls.append("dropped_product")
+        raise RuntimeError("no tl.dot for this GPU")
+
+    monkeypatch.setattr(triton_kernels, "dropped_product", failing)
+    monkeypatch.setattr(triton_kernels, "pack", lambda kept: calls.append("pack") or "packed")
+    with pytest.warns(UserWarning, match="dropped_product failed .*no tl.dot for this GPU"):
+        assert triton_kernels.run("dropped_product", "x", "a", "seed", 0.1) is None
+    assert triton_kernels.run("dropped_product", "x", "a", "seed", 0.1) is None  # not launched again
+    assert triton_kernels.run("pack", "kept") == "packed"
+    assert calls == ["dropped_product", "pack"] and list(triton_kernels._BROKEN) == ["dropped_product"]

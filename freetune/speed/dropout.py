@@ -21,7 +21,7 @@ generator state torch restores, draws the same mask again; the backward reads th
 Not yet the default: compiled layers keep inductor's dropout (_DRAW) until a GPU has measured the ops against it
 (bench.py's experiments dropout_product and dropout_op; the kernels are checked on a CPU through Triton's interpreter).
 
-Where there is no Triton kernel for the tensor (no Triton, or a launch that failed), a GPU draws with torch's own
+Where there is no Triton kernel for the tensor (no Triton, or that kernel's launch failed), a GPU draws with torch's own
 dropout kernel and a CPU with `reference_draw`, the same numbers as the kernels in torch code (the tests compare them).
 """
 

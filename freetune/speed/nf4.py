@@ -81,7 +81,7 @@ _TRITON: dict = {}  # "module": freetune.speed.triton_kernels, or None where Tri
 
 def triton_for(t):
     """freetune.speed.triton_kernels where its kernels run on `t`'s device, else None (Triton not installed, a CPU
-    tensor, or a launch that failed before): the callers' eager code then."""
+    tensor): the callers' eager code then, as where its run() returns None (a kernel whose launch failed)."""
     if "module" not in _TRITON:
         try:
             from freetune.speed import triton_kernels

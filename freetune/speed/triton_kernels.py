@@ -18,8 +18,9 @@ Also the LoRA dropout ops' kernels (freetune.speed.dropout: the keep-draws four 
 LoRA-A product from them), which compiled layers call where bench's dropout_product or dropout_op turns them on; their
 draws are dropout.reference_draw's, bit for bit.
 
-Imported where Triton is (freetune.speed.nf4.triton_for). A launch that fails (a GPU Triton cannot compile for) warns
-once and the callers take their eager path from then on.
+Imported where Triton is (freetune.speed.nf4.triton_for). A launch that fails (a GPU or build Triton cannot compile
+that kernel for) warns once and that kernel's callers take their eager path from then on; the other kernels stay in use
+(the dropout product's tl.dot can fail where the element-wise kernels run).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import triton.language as tl
 
 from freetune.reach.peft_bnb import NESTED_BLOCKSIZE
 
-_BROKEN: dict = {}  # "why": set once a launch failed; usable() is then False for the process
+_BROKEN: dict = {}  # kernel name -> why its launch failed: run() then returns None for it, for the process
 BLOCK = 1024        # elements (bytes, for the dequantisation) per program
 # Triton's interpreter (the tests' processes set it before anything imports triton): CPU tensors run the kernels too
 _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -41,17 +42,19 @@ _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 def usable(t) -> bool:
     """Whether the kernels here run on `t`'s device: CUDA (or CPU tensors under Triton's interpreter,
-    TRITON_INTERPRET=1, for tests), and no launch failed before."""
-    return not _BROKEN and (t.is_cuda or (_INTERPRETING and t.device.type == "cpu"))
+    TRITON_INTERPRET=1, for tests)."""
+    return t.is_cuda or (_INTERPRETING and t.device.type == "cpu")
 
 
 def run(name: str, *args):
-    """Kernel wrapper `name` (below) on args; None where it failed (warned once, usable() then False): the caller's
-    eager path."""
+    """Kernel wrapper `name` (below) on args; None where it failed, now (warned once) or before: the caller's eager
+    path."""
+    if name in _BROKEN:
+        return None
     try:
         return globals()[name](*args)
     except Exception as exc:  # a GPU or build Triton cannot compile for: the same arithmetic, eagerly
-        _BROKEN["why"] = repr(exc)
+        _BROKEN[name] = repr(exc)
         warnings.warn(f"freetune.speed.triton_kernels: {name} failed ({exc}); the eager code runs instead")
         return None
 
