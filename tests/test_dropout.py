@@ -1,4 +1,4 @@
-"""freetune.speed.dropout: LoRA dropout drawn four elements per Philox call inside compiled layers.
+"""freetune.speed.dropout: LoRA dropout drawn eight elements per Philox call inside compiled layers.
 
 The draws are Random123's Philox-4x32-10 (its published known answers), each element kept with probability 1 - p
 independently of its neighbours in the same call and of the other projections' draws; a compiled layer trains through
@@ -26,11 +26,13 @@ def test_philox_gives_random123s_known_answers():
 
 
 def test_each_element_is_kept_with_probability_1_minus_p_independently():
-    """Over 4M draws at p = 0.05: the kept share overall and at each of a byte's 8 places (the 4 outputs of 2 Philox
-    calls), and the share of neighbours dropped together (same call, next call) and of the same element dropped under
-    two seeds (two projections' masks over one input): p and p^2, within 6 standard deviations. The kept elements are
-    the input times 1 / (1 - p), the dropped ones 0; the bits are the mask lora_kernel.pack_mask makes."""
+    """Over 4M draws at p = 0.05: the kept share overall and at each of a byte's 8 places (the 16-bit halves of one
+    Philox call's 4 outputs), and the share of neighbours dropped together (two halves of one output, two outputs of
+    one call, the last of a call and the first of the next) and of the same element dropped under two seeds (two
+    projections' masks over one input): p and p^2, within 6 standard deviations. The kept elements are the input
+    times 1 / (1 - p), the dropped ones 0; the bits are the mask lora_kernel.pack_mask makes."""
     p, tokens, cols = 0.05, 1024, 4096
+    assert dropout.drop_threshold(p) == 3277 and dropout.drop_threshold(0.0) == 0  # p within 2**-17
     x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16) + 8  # none is 0
     dropped, bits = dropout.reference_draw(x, torch.tensor([12345]), p)
     kept = dropped != 0
@@ -45,8 +47,9 @@ def test_each_element_is_kept_with_probability_1_minus_p_independently():
     for place in range(8):
         near(kept[:, place::8].float().mean().item(), 1 - p, n // 8)
     gone = ~kept
-    near((gone[:, 0::2] & gone[:, 1::2]).float().mean().item(), p * p, n // 2)   # outputs of one call
-    near((gone[:, 3:-1:4] & gone[:, 4::4]).float().mean().item(), p * p, n // 4)  # last of a call, first of the next
+    near((gone[:, 0::2] & gone[:, 1::2]).float().mean().item(), p * p, n // 2)   # halves of one output
+    near((gone[:, 0::4] & gone[:, 2::4]).float().mean().item(), p * p, n // 4)   # two outputs of one call
+    near((gone[:, 7:-1:8] & gone[:, 8::8]).float().mean().item(), p * p, n // 8)  # last of a call, first of the next
     other = dropout.reference_draw(x, torch.tensor([12346]), p)[0] == 0
     near((gone & other).float().mean().item(), p * p, n)
 

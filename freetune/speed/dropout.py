@@ -1,4 +1,4 @@
-"""LoRA dropout inside compiled layers: each element's keep-draw from a quarter of a Philox call, not a whole one,
+"""LoRA dropout inside compiled layers: each element's keep-draw from an eighth of a Philox call, not a whole one,
 and the dropped input never written.
 
 Why: a LoRA projection drops its own copy of its input (q, k and v each draw a mask over the same hidden states), so
@@ -6,23 +6,27 @@ a step of Qwen2.5-1.5B on 8 x 1,024 tokens draws about 5 billion keep-draws (for
 dropout to Triton's `tl.rand`, which runs a Philox-4x32-10 call (ten rounds of 32-bit multiplies) per element and keeps
 1 of its 4 outputs, then writes the dropped input for the LoRA-A product to read back. On an H100, LoRA dropout 0.05
 added 23 ms to the T4 long-row step's kernels, 22.8 of them in the compiled element-wise kernels where those draws,
-copies and masks are (docs/performance.md, issue 49).
-`freetune::dropped_product` takes all four outputs of each call and computes the LoRA-A output dropout(x) A^T from the
-draws in the same kernel (freetune.speed.triton_kernels), writing only that (tokens x r) and the keep-mask as bits
+copies and masks are (docs/performance.md, issue 49). Drawing 4 elements a call (31 bits each, as tl.rand) cut that by
+7 ms only: the Philox rounds themselves were most of the kernel's time, so now a call gives 8 elements, 16 bits each.
+`freetune::dropped_product` computes the LoRA-A output dropout(x) A^T from the draws in the same kernel
+(freetune.speed.triton_kernels), writing only that (tokens x r) and the keep-mask as bits
 (freetune.speed.lora_kernel.pack_mask's layout) for the backward; `freetune::dropout_packed` draws the same mask and
 writes the dropped input (bench's dropout_op, and the fallback where the product kernel does not take the dtype).
 
-What is computed is what dropout computes: every element kept independently with probability 1 - p, the kept ones
-times 1 / (1 - p), from a 31-bit uniform number compared with p as `tl.rand`'s are; only which numbers the draws take
-from the generator differs (as it already differs between inductor's dropout and eager torch's). The seed comes from
-torch's generator inside the graph (one torch.randint per projection), so a checkpointed layer's recompute, whose
-generator state torch restores, draws the same mask again; the backward reads the saved bits, never the seed.
+What is computed is what dropout computes: every element kept independently, the kept ones times 1 / (1 - p), the
+dropped ones 0; only the drop probability is p to within 2**-17 (a 16-bit draw below round(p * 2**16): 0.0500031 for
+0.05), 60 times finer than the fp16 rounding of x / (1 - p) itself, and which numbers the draws take from the
+generator differs (as it already differs between inductor's dropout and eager torch's). The seed comes from torch's
+generator inside the graph (one torch.randint per projection), so a checkpointed layer's recompute, whose generator
+state torch restores, draws the same mask again; the backward reads the saved bits, never the seed.
 
 Not yet the default: compiled layers keep inductor's dropout (_DRAW) until a GPU has measured the ops against it
-(bench.py's experiments dropout_product and dropout_op; the kernels are checked on a CPU through Triton's interpreter).
+(bench.py's experiments dropout_product and dropout_op; scripts/bench_dropout.py times the kernels alone; they are
+checked on a CPU through Triton's interpreter).
 
-Where there is no Triton kernel for the tensor (no Triton, or that kernel's launch failed), a GPU draws with torch's own
-dropout kernel and a CPU with `reference_draw`, the same numbers as the kernels in torch code (the tests compare them).
+Where there is no Triton kernel for the tensor (no Triton, or that kernel's launch failed), a GPU draws with torch's
+own dropout kernel and a CPU with `reference_draw`, the same numbers as the kernels in torch code (the tests compare
+them).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ _DRAW = {"how": "inductor"}
 _OPS: dict = {}  # the custom ops by name, defined once per process
 
 _WORD = 0xFFFFFFFF
-_UNIFORM_31_BITS = 4.6566127342e-10  # 2 ** -31 as Triton's uint_to_uniform_float writes it
+DRAW_BITS = 16  # bits of a Philox output per keep-draw: 8 elements a call (see the module)
 
 
 def philox(counter, key):
@@ -53,23 +57,29 @@ def philox(counter, key):
     return c0, c1, c2, c3
 
 
+def drop_threshold(p: float) -> int:
+    """The 16-bit draw below which an element is dropped: round(p * 2**16), so the drop probability is p within 2**-17
+    (0.05 -> 3277 / 65536 = 0.0500031)."""
+    return min(1 << DRAW_BITS, max(0, round(p * (1 << DRAW_BITS))))
+
+
 def reference_draw(x, seed, p: float):
     """(dropout(x), its keep-mask as bits) for a (tokens, n) x, drawn as freetune::dropout_packed's Triton kernel
-    draws them: element e of the row-major (tokens, 8 * ceil(n / 8)) layout takes output e % 4 of Philox's call on
-    counter e // 4 under the key `seed` (int64, one element), as a 31-bit uniform number; kept where it exceeds p."""
+    draws them: byte b of the mask (8 elements of the row-major (tokens, 8 * ceil(n / 8)) layout) is Philox's call on
+    counter b under the key `seed` (int64, one element); its element k takes the 16-bit half k % 2 (low first) of the
+    call's output word k // 2, and is kept where that is at least drop_threshold(p)."""
     import torch
 
     from freetune.speed.lora_kernel import pack_mask
 
     tokens, cols = x.shape
     padded = 8 * -(-cols // 8)
-    counter = torch.arange(tokens * padded // 4, device=x.device)
+    counter = torch.arange(tokens * padded // 8, device=x.device)
     zero = torch.zeros_like(counter)
     seed = seed.to(torch.int64)
-    words = torch.stack(philox((counter, zero, zero, zero), (seed & _WORD, (seed >> 32) & _WORD)), -1).reshape(-1)
-    signed = torch.where(words >= 2**31, words - 2**32, words)  # the word as Triton's int32 reads it
-    uniform = torch.where(signed < 0, -signed - 1, signed).to(torch.float32) * _UNIFORM_31_BITS
-    keep = (uniform > p).view(tokens, padded)[:, :cols]
+    words = torch.stack(philox((counter, zero, zero, zero), (seed & _WORD, (seed >> 32) & _WORD)), -1)
+    draws = torch.stack((words & 0xFFFF, words >> 16), -1).reshape(tokens, padded)
+    keep = (draws >= drop_threshold(p))[:, :cols]
     dropped = torch.where(keep, (x.float() * (1.0 / (1.0 - p))).to(x.dtype), torch.zeros((), dtype=x.dtype))
     return dropped, pack_mask(keep)
 

@@ -14,7 +14,7 @@ and on a GPU): the dequantisation bit for bit as bitsandbytes' (the absmax value
 apart, as bitsandbytes does: fp contraction off), the SwiGLU steps in fp32 with one rounding at the end (as inductor
 computes them).
 
-Also the LoRA dropout ops' kernels (freetune.speed.dropout: the keep-draws four elements per Philox call, and the
+Also the LoRA dropout ops' kernels (freetune.speed.dropout: the keep-draws eight elements per Philox call, and the
 LoRA-A product from them), which compiled layers call where bench's dropout_product or dropout_op turns them on; their
 draws are dropout.reference_draw's, bit for bit.
 
@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from freetune.reach.peft_bnb import NESTED_BLOCKSIZE
+from freetune.speed.dropout import drop_threshold
 
 _BROKEN: dict = {}  # kernel name -> why its launch failed: run() then returns None for it, for the process
 BLOCK = 1024        # elements (bytes, for the dequantisation) per program
@@ -148,21 +149,25 @@ def _pack_kernel(kept_ptr, out_ptr, n_out, cols, out_cols, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _dropout_packed_kernel(x_ptr, seed_ptr, out_ptr, bits_ptr, n_bytes, cols, bit_cols, p, scale,
+def _byte_draws(seed, byte, N: tl.constexpr):
+    # (N, 8) 16-bit keep-draws for N bytes of the packed mask (freetune.speed.dropout.reference_draw): byte b is Philox's
+    # call on counter b; its element k takes the 16-bit half k % 2 (low first) of output word k // 2. Inductor's dropout
+    # runs a whole call per element (tl.rand keeps 1 of its 4 outputs), and the rounds are most of such a kernel's time.
+    r0, r1, r2, r3 = tl.randint4x(seed, byte)
+    words = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [N, 4]).to(tl.uint32, bitcast=True)
+    return tl.reshape(tl.join(words & 0xFFFF, words >> 16), [N, 8])
+
+
+@triton.jit
+def _dropout_packed_kernel(x_ptr, seed_ptr, out_ptr, bits_ptr, n_bytes, cols, bit_cols, threshold, scale,
                            BYTES: tl.constexpr):
-    # BYTES bytes of the packed mask a program, 8 elements each (a (BYTES, 8) tile of x). Element e of the row-major
-    # padded layout (tokens, bit_cols * 8) draws output e % 4 of Philox's call on counter e // 4 (freetune.speed.dropout
-    # .reference_draw): a byte's 8 elements are 2 calls. Inductor's dropout draws one call per element (tl.rand keeps 1
-    # of its 4 outputs).
+    # BYTES bytes of the packed mask a program, 8 elements each (a (BYTES, 8) tile of the padded layout of x)
     offs = tl.program_id(0) * BYTES + tl.arange(0, BYTES)
     inside = offs < n_bytes
     row = offs // bit_cols
     col = (offs % bit_cols)[:, None] * 8 + tl.arange(0, 8)[None, :]
-    r0, r1, r2, r3 = tl.randint4x(tl.load(seed_ptr), 2 * offs[:, None] + tl.arange(0, 2)[None, :])
-    # (BYTES, 2) each -> (BYTES, 2, 2, 2) -> (BYTES, 8): element 4 * half + k takes r_k of its half's call
-    r = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [BYTES, 8])
     where = inside[:, None] & (col < cols)
-    keep = (tl.random.uint_to_uniform_float(r) > p) & where
+    keep = (_byte_draws(tl.load(seed_ptr), offs, BYTES) >= threshold) & where
     at = row[:, None] * cols + col
     x = tl.load(x_ptr + at, mask=where, other=0.0).to(tl.float32)
     tl.store(out_ptr + at, tl.where(keep, x * scale, 0.0).to(out_ptr.dtype.element_ty), mask=where)
@@ -171,7 +176,7 @@ def _dropout_packed_kernel(x_ptr, seed_ptr, out_ptr, bits_ptr, n_bytes, cols, bi
 
 
 @triton.jit
-def _dropped_product_kernel(x_ptr, a_ptr, seed_ptr, h_ptr, bits_ptr, tokens, cols, bit_cols, rank, p, scale,
+def _dropped_product_kernel(x_ptr, a_ptr, seed_ptr, h_ptr, bits_ptr, tokens, cols, bit_cols, rank, threshold, scale,
                             PADDED: tl.constexpr, R: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
     # h = dropout(x) A^T for ROWS rows of x a program, COLS columns at a time, with the keep-draws of
     # _dropout_packed_kernel (the same elements kept); the mask's bits written on the way, the dropped x never.
@@ -185,11 +190,10 @@ def _dropped_product_kernel(x_ptr, a_ptr, seed_ptr, h_ptr, bits_ptr, tokens, col
     for first in range(0, PADDED, COLS):
         nth_byte = first // 8 + tl.arange(0, COLS // 8)
         byte = rows[:, None] * bit_cols + nth_byte[None, :]
-        r0, r1, r2, r3 = tl.randint4x(seed, 2 * byte[:, :, None] + tl.arange(0, 2)[None, None, :])
-        r = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [ROWS, COLS])
+        draws = _byte_draws(seed, tl.reshape(byte, [ROWS * COLS // 8]), ROWS * COLS // 8)
         col = first + tl.arange(0, COLS)
         where = row_in[:, None] & (col < cols)[None, :]
-        keep = (tl.random.uint_to_uniform_float(r) > p) & where
+        keep = (tl.reshape(draws, [ROWS, COLS]) >= threshold) & where
         x = tl.load(x_ptr + rows[:, None] * cols + col[None, :], mask=where, other=0.0).to(tl.float32)
         dropped = tl.where(keep, x * scale, 0.0).to(x_ptr.dtype.element_ty)
         a_t = tl.load(a_ptr + ranks[None, :] * cols + col[:, None],
@@ -258,9 +262,14 @@ def dropout_packed(x, seed, p: float):
     out = torch.empty_like(x)
     bits = torch.empty(tokens, bit_cols, dtype=torch.uint8, device=x.device)
     n_bytes = bits.numel()
-    _dropout_packed_kernel[(triton.cdiv(max(n_bytes, 1), BLOCK // 8),)](x, seed, out, bits, n_bytes, cols, bit_cols,
-                                                                         float(p), 1.0 / (1.0 - p), BYTES=BLOCK // 8)
+    _dropout_packed_kernel[(triton.cdiv(max(n_bytes, 1), BLOCK // 8),)](
+        x, seed, out, bits, n_bytes, cols, bit_cols, drop_threshold(p), 1.0 / (1.0 - p), BYTES=BLOCK // 8)
     return out, bits
+
+
+# freetune::dropped_product's tile: rows of x a program, columns a loop step, warps a program (scripts/bench_dropout.py
+# times others)
+PRODUCT_TILE = {"rows": 32, "cols": 64, "warps": 4}
 
 
 def dropped_product(x, a, seed, p: float):
@@ -270,8 +279,9 @@ def dropped_product(x, a, seed, p: float):
     rank = a.shape[0]
     h = torch.empty(tokens, rank, dtype=x.dtype, device=x.device)
     bits = torch.empty(tokens, -(-cols // 8), dtype=torch.uint8, device=x.device)
-    rows = 32
-    _dropped_product_kernel[(triton.cdiv(max(tokens, 1), rows),)](
-        x, a, seed, h, bits, tokens, cols, bits.shape[1], rank, float(p), 1.0 / (1.0 - p),
-        PADDED=8 * bits.shape[1], R=max(16, triton.next_power_of_2(rank)), ROWS=rows, COLS=64)
+    tile = PRODUCT_TILE
+    _dropped_product_kernel[(triton.cdiv(max(tokens, 1), tile["rows"]),)](
+        x, a, seed, h, bits, tokens, cols, bits.shape[1], rank, drop_threshold(p), 1.0 / (1.0 - p),
+        PADDED=8 * bits.shape[1], R=max(16, triton.next_power_of_2(rank)), ROWS=tile["rows"], COLS=tile["cols"],
+        num_warps=tile["warps"])
     return h, bits

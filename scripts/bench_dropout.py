@@ -1,0 +1,82 @@
+"""GPU time of one LoRA projection's dropout and LoRA-A product, drawn each way compiled layers can draw it
+(freetune.speed.dropout), on the T4 long-row bench's shapes: which way, and which tile of the product kernel, is fastest.
+
+Why: a step of the T4 long-row bench draws about 5 billion keep-draws; bench.py --profile gives one step's kernel time
+by category, this gives each way's kernel time per call, alone, so the kernels' tiles can be compared in seconds.
+
+Ways, per shape (tokens x width of the input, LoRA rank 16), each on the same input:
+  no dropout   x A^T alone (cuBLAS): the floor;
+  inductor     torch.compile of torch's dropout, the mask packed as bits, the product (today's default in compiled
+               layers: inductor's tl.rand, a Philox call per element);
+  op           freetune::dropout_packed's kernel (8 keep-draws a Philox call, the dropped x written) and the product;
+  product      freetune::dropped_product's kernel (the product from the draws, the dropped x never written), per tile
+               (rows x columns x warps).
+
+Usage (GPU machine):  python3 scripts/bench_dropout.py [--dtype float16|bfloat16] [--p 0.05] [--json OUT]
+Prints a table: milliseconds per call (median of triton.testing.do_bench) and what that is per step of the T4
+long-row bench (35 calls per width for the 6 projections that read the hidden states, 35 for the down projection).
+"""
+
+import argparse
+import json
+
+TOKENS = 8192                    # 8 rows x 1,024 tokens, the T4 long-row bench's micro-batch
+WIDTHS = {"hidden": 1536, "intermediate": 8960}  # Qwen2.5-1.5B: q, k, v, o, gate, up read 1536; down reads 8960
+CALLS_PER_STEP = {"hidden": 6 * 35, "intermediate": 35}  # 28 layers + 7 recomputed, per projection
+TILES = [(32, 64, 4), (16, 64, 4), (16, 128, 4), (32, 128, 4), (32, 64, 8), (64, 64, 8), (16, 64, 2)]
+
+
+def main():
+    import torch
+    import triton.testing
+
+    from freetune.speed import dropout, lora_kernel, triton_kernels
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    parser.add_argument("--p", type=float, default=0.05)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--json", help="also write the rows here")
+    args = parser.parse_args()
+    dtype, p = getattr(torch, args.dtype), args.p
+
+    def inductor_way(x, a):
+        dropped, kept = torch.native_dropout(x, p, True)
+        return dropped @ a.t(), lora_kernel.pack_mask(kept)
+
+    compiled = torch.compile(inductor_way, dynamic=False)
+    rows = []
+    for name, width in WIDTHS.items():
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(TOKENS, width, device="cuda", dtype=dtype, generator=gen)
+        a = torch.randn(args.rank, width, device="cuda", dtype=dtype, generator=gen) / width**0.5
+        seed = torch.tensor([12345], device="cuda")
+        ways = {"no dropout": lambda: x @ a.t(), "inductor": lambda: compiled(x, a),
+                "op": lambda: (lambda d, b: (d @ a.t(), b))(*triton_kernels.dropout_packed(x, seed, p))}
+        for rows_, cols, warps in TILES:
+            def product(tile=dict(rows=rows_, cols=cols, warps=warps)):
+                triton_kernels.PRODUCT_TILE.update(tile)
+                return triton_kernels.dropped_product(x, a, seed, p)
+            ways[f"product {rows_}x{cols}x{warps}"] = product
+        default_tile = dict(triton_kernels.PRODUCT_TILE)
+        # every way keeps the elements the reference keeps (the inductor way draws its own)
+        want_bits = dropout.reference_draw(x, seed, p)[1]
+        for way, fn in ways.items():
+            out = fn()
+            if way.startswith(("op", "product")):
+                assert torch.equal(out[1], want_bits), way
+            ms = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+            rows.append({"shape": f"{TOKENS}x{width}", "way": way, "ms_per_call": round(ms, 4),
+                         "ms_per_step": round(ms * CALLS_PER_STEP[name], 2)})
+        triton_kernels.PRODUCT_TILE.update(default_tile)
+    print(f"{torch.cuda.get_device_name()}, {args.dtype}, p={p}, rank {args.rank}, {TOKENS} tokens a call")
+    print(f"{'shape':<12} {'way':<22} {'ms a call':>10} {'ms a step':>10}")
+    for row in rows:
+        print(f"{row['shape']:<12} {row['way']:<22} {row['ms_per_call']:>10.4f} {row['ms_per_step']:>10.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "dtype": args.dtype, "p": p, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
