@@ -1,5 +1,6 @@
 """GPU time of one LoRA projection's dropout and LoRA-A product, drawn each way compiled layers can draw it
-(freetune.speed.dropout), on the T4 long-row bench's shapes: which way, and which tile of the product kernel, is fastest.
+(freetune.speed.dropout), on the T4 long-row bench's shapes: which way, and which tile of the product kernel, is
+fastest.
 
 Why: a step of the T4 long-row bench draws about 5 billion keep-draws; bench.py --profile gives one step's kernel time
 by category, this gives each way's kernel time per call, alone, so the kernels' tiles can be compared in seconds.

@@ -24,7 +24,7 @@ from scripts.bench_prepare import ARCHITECTURE
 EXPERIMENTS = ("liger", "cpp_wrapper", "combo_kernels", "dense_head", "no_packed_check", "pin_cores", "byte_masks",
                "fp32_absmax", "per_layer_casts", "copied_heads", "kv_head_calls", "trl_empty_cache", "no_triton",
                "op_dgrad", "addmm_sums", "out_of_place_backward_sums", "traced_addmm",
-               "widening_addmm", "dropout_product", "dropout_op",
+               "widening_addmm", "dropout_inductor", "dropout_op",
                "skip_guards", "no_asserts", "gc_unfrozen", "lora_dropout", "full_recompute",
                "optimizer_per_tensor",
                "ddp_split", "static_graph", "bucket_view", "bucket_mb", "flat_sync")
@@ -168,10 +168,10 @@ PATCHES: dict[str, tuple[Patch, ...]] = {
     # a compiled widening projection (an MLP's gate and up) as its base product and an in-place LoRA sum over its
     # output, as before freetune.speed.lora_kernel's base_plus_lora (one product over [x | h])
     "widening_addmm": (Patch("freetune.speed.lora_kernel", "_ONE_PRODUCT", _set({"widening": False})),),
-    # LoRA dropout in compiled layers drawn four elements per Philox call (freetune.speed.dropout; inductor's dropout
-    # runs a call per element): the LoRA-A product computed from the draws in the same kernel
-    # (freetune::dropped_product), or the dropped input written and multiplied apart (freetune::dropout_packed)
-    "dropout_product": (Patch("freetune.speed.dropout", "_DRAW", _set({"how": "product"})),),
+    # LoRA dropout in compiled layers as inductor draws it (a Philox call per element, the dropped input written), as
+    # before issue 49's tenth session (freetune.speed.dropout: 8 elements a call, the LoRA-A product from the draws in
+    # the same kernel); or the 8-a-call draws with the dropped input written and multiplied apart (dropout_packed)
+    "dropout_inductor": (Patch("freetune.speed.dropout", "_DRAW", _set({"how": "inductor"})),),
     "dropout_op": (Patch("freetune.speed.dropout", "_DRAW", _set({"how": "op"})),),
     # Two more host costs of every compiled layer call (tenth session): guards, and the compiled graphs' wrapper
     # code checking every input's size and stride per call.

@@ -62,9 +62,9 @@ def projection(tiny_model_dir, p: float):
 
 @pytest.mark.parametrize("how", ["product", "op"])
 def test_a_compiled_layer_drops_through_its_op_and_trains_through_that_mask(tiny_model_dir, how, monkeypatch):
-    """Traced into a compiled layer with bench's dropout_product (how="product"), a fused projection's dropout is one
-    freetune::dropped_product call (dropout_op: freetune::dropout_packed), no other random draw but its seed's; its
-    output and gradients are those of plain tensor code over the mask reference_draw draws from the seed that torch's
+    """Traced into a compiled layer (how="product", the default), a fused projection's dropout is one
+    freetune::dropped_product call (bench's dropout_op: freetune::dropout_packed), no other random draw but its
+    seed's; its output and gradients are those of plain tensor code over the mask reference_draw draws from the seed that torch's
     generator gives at that point (forward and backward: one mask)."""
     import bitsandbytes.functional as bnbf
 
@@ -73,7 +73,7 @@ def test_a_compiled_layer_drops_through_its_op_and_trains_through_that_mask(tiny
     layer = projection(tiny_model_dir, p)
     name = layer.active_adapters[0]
     a, b, s = layer.lora_A[name].weight, layer.lora_B[name].weight, layer.scaling[name]
-    x = torch.randn(3, 5, layer.in_features, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    x = torch.randn(3, 5, layer.in_features, generator=torch.Generator().manual_seed(2)).to(a.device).requires_grad_()
 
     torch.manual_seed(7)
     graphs, out = aten_graphs(layer, x)  # out.sum().backward() inside
@@ -85,7 +85,7 @@ def test_a_compiled_layer_drops_through_its_op_and_trains_through_that_mask(tiny
     x.grad = a.grad = b.grad = None
 
     torch.manual_seed(7)
-    seed = torch.randint(0, 2**62, (1,))  # the draw the graph made first
+    seed = torch.randint(0, 2**62, (1,), device=a.device)  # the draw the graph made first (a GPU: its generator)
     x2 = x.detach().reshape(-1, layer.in_features).requires_grad_()
     dropped, bits = dropout.reference_draw(x2, seed, p)
     kept = lora_kernel.unpack_mask(bits, layer.in_features, torch.float32)
@@ -103,15 +103,15 @@ def test_a_checkpointed_compiled_layer_draws_the_same_mask_in_its_recompute(tiny
     """Under non-reentrant checkpointing (the plans' recompute) the compiled layer runs its forward again for the
     backward; torch restores the generator's state for it, so the op's seed and its mask are the forward's: the same
     output and gradients as without checkpointing from the same generator state (a new draw would give other
-    gradients, as a new seed does below). how="inductor": inductor's dropout (the default until the ops are measured on
-    a GPU) holds the same."""
+    gradients, as a new seed does below). how="inductor": inductor's dropout (bench's dropout_inductor) holds the
+    same."""
     import torch._dynamo
     from torch.utils.checkpoint import checkpoint
 
     monkeypatch.setattr(dropout, "_DRAW", {"how": how})
     layer = projection(tiny_model_dir, 0.3)
     a = layer.lora_A[layer.active_adapters[0]].weight
-    x = torch.randn(3, 5, layer.in_features, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    x = torch.randn(3, 5, layer.in_features, generator=torch.Generator().manual_seed(2)).to(a.device).requires_grad_()
     compiled = torch.compile(layer, fullgraph=True)
     torch._dynamo.reset()
     try:

@@ -20,9 +20,10 @@ generator differs (as it already differs between inductor's dropout and eager to
 generator inside the graph (one torch.randint per projection), so a checkpointed layer's recompute, whose generator
 state torch restores, draws the same mask again; the backward reads the saved bits, never the seed.
 
-Not yet the default: compiled layers keep inductor's dropout (_DRAW) until a GPU has measured the ops against it
-(bench.py's experiments dropout_product and dropout_op; scripts/bench_dropout.py times the kernels alone; they are
-checked on a CPU through Triton's interpreter).
+The default in compiled layers since it was measured (_DRAW; an H100 with the T4's constraints emulated, the long-row
+bench: 12 ms of kernels a step less than inductor's dropout, the same peak); bench.py's experiments dropout_inductor
+and dropout_op run the others, scripts/bench_dropout.py times each way's kernels alone. The kernels are checked on a
+CPU through Triton's interpreter and on a GPU (tests/test_triton_kernels.py).
 
 Where there is no Triton kernel for the tensor (no Triton, or that kernel's launch failed), a GPU draws with torch's
 own dropout kernel and a CPU with `reference_draw`, the same numbers as the kernels in torch code (the tests compare
@@ -35,9 +36,10 @@ from freetune.speed import nf4
 
 # How compiled layers draw LoRA dropout: "product", freetune::dropped_product (the LoRA-A product computed from the
 # draws in the same kernel, the dropped input never written); "op", freetune::dropout_packed and then the product;
-# "inductor", inductor's own dropout. inductor's until the ops are measured on a GPU (none was lent the session that
-# wrote them): scripts/bench_experiments.py's dropout_product and dropout_op set the others.
-_DRAW = {"how": "inductor"}
+# "inductor", inductor's own dropout (before issue 49's tenth session). The product measured fastest (H100, T4
+# emulated, long rows: 187.0 against inductor's 199.2 ms of kernels a step, docs/performance.md);
+# scripts/bench_experiments.py's dropout_inductor and dropout_op set the others.
+_DRAW = {"how": "product"}
 _OPS: dict = {}  # the custom ops by name, defined once per process
 
 _WORD = 0xFFFFFFFF

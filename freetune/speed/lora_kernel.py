@@ -178,8 +178,8 @@ def _function():
             a, b = lora_a.to(compute), lora_b.to(compute)
             mask = None
             if dropout_p > 0.0 and torch.compiler.is_compiling():
-                # The mask packed as bits for the backward (freetune.speed.dropout: inductor's draws, or under bench's
-                # dropout_product one kernel that draws, packs and multiplies by A)
+                # The mask packed as bits for the backward (freetune.speed.dropout: one kernel that draws, packs and
+                # multiplies by A; inductor's draws under bench's dropout_inductor)
                 h, mask = dropout.lora_a_of_dropped(x2, a, dropout_p)
             else:
                 xd = x2

@@ -15,8 +15,8 @@ apart, as bitsandbytes does: fp contraction off), the SwiGLU steps in fp32 with 
 computes them).
 
 Also the LoRA dropout ops' kernels (freetune.speed.dropout: the keep-draws eight elements per Philox call, and the
-LoRA-A product from them), which compiled layers call where bench's dropout_product or dropout_op turns them on; their
-draws are dropout.reference_draw's, bit for bit.
+LoRA-A product from them), which compiled layers call for their LoRA dropout (bench's dropout_inductor turns them
+off); their draws are dropout.reference_draw's, bit for bit.
 
 Imported where Triton is (freetune.speed.nf4.triton_for). A launch that fails (a GPU or build Triton cannot compile
 that kernel for) warns once and that kernel's callers take their eager path from then on; the other kernels stay in use
@@ -150,9 +150,10 @@ def _pack_kernel(kept_ptr, out_ptr, n_out, cols, out_cols, BLOCK: tl.constexpr):
 
 @triton.jit
 def _byte_draws(seed, byte, N: tl.constexpr):
-    # (N, 8) 16-bit keep-draws for N bytes of the packed mask (freetune.speed.dropout.reference_draw): byte b is Philox's
-    # call on counter b; its element k takes the 16-bit half k % 2 (low first) of output word k // 2. Inductor's dropout
-    # runs a whole call per element (tl.rand keeps 1 of its 4 outputs), and the rounds are most of such a kernel's time.
+    # (N, 8) 16-bit keep-draws for N bytes of the packed mask (freetune.speed.dropout.reference_draw): byte b is
+    # Philox's call on counter b; its element k takes the 16-bit half k % 2 (low first) of output word k // 2.
+    # Inductor's dropout runs a whole call per element (tl.rand keeps 1 of its 4 outputs), and the rounds are most of
+    # such a kernel's time.
     r0, r1, r2, r3 = tl.randint4x(seed, byte)
     words = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [N, 4]).to(tl.uint32, bitcast=True)
     return tl.reshape(tl.join(words & 0xFFFF, words >> 16), [N, 8])
@@ -267,9 +268,10 @@ def dropout_packed(x, seed, p: float):
     return out, bits
 
 
-# freetune::dropped_product's tile: rows of x a program, columns a loop step, warps a program (scripts/bench_dropout.py
-# times others)
-PRODUCT_TILE = {"rows": 32, "cols": 64, "warps": 4}
+# freetune::dropped_product's tile: rows of x a program, columns a loop step, warps a program. scripts/bench_dropout.py
+# on an H100 (fp16, rank 16, 8,192 tokens): 16 x 128 x 4 the fastest over the long-row step's widths, 13.6 ms a step
+# against 15.8 for 32 x 64 x 4 (reports/gpu/dropout_kernels_h100_issue49.log)
+PRODUCT_TILE = {"rows": 16, "cols": 128, "warps": 4}
 
 
 def dropped_product(x, a, seed, p: float):
