@@ -461,8 +461,9 @@ def test_fused_dropout_uses_one_mask_for_output_and_gradients(tiny_model_dir):
     lora_kernel.use_fused_lora(model)
     name = layer.active_adapters[0]
     a, b, s = layer.lora_A[name].weight, layer.lora_B[name].weight, layer.scaling[name]
-    x = torch.randn(2, 9, layer.in_features, generator=torch.Generator().manual_seed(2))
-    dy = torch.randn(2, 9, layer.out_features, generator=torch.Generator().manual_seed(3))
+    # on the layer's device (the GPU machine loads it onto the GPU): a CPU input there made an illegal memory access
+    x = torch.randn(2, 9, layer.in_features, generator=torch.Generator().manual_seed(2)).to(a.device)
+    dy = torch.randn(2, 9, layer.out_features, generator=torch.Generator().manual_seed(3)).to(a.device)
 
     x1 = x.clone().requires_grad_()
     torch.manual_seed(7)
@@ -502,7 +503,7 @@ def test_a_compiled_layer_saves_its_dropout_masks_as_bits(tiny_model_dir):
     model = quantized_lora_model(tiny_model_dir, torch.float32, dropout=0.1)
     layer = model.get_base_model().model.layers[0].mlp.down_proj
     lora_kernel.use_fused_lora(model)
-    x = torch.randn(3, 5, layer.in_features, requires_grad=True)
+    x = torch.randn(3, 5, layer.in_features).to(layer.lora_A[layer.active_adapters[0]].weight.device).requires_grad_()
     masks = {}
     for mode, run in (("eager", layer), ("compiled", torch.compile(layer, backend="aot_eager", fullgraph=True))):
         saved = []
@@ -537,8 +538,8 @@ def test_a_compiled_layer_without_dropout_saves_no_more_than_with_it(tiny_model_
         totals = {}
         try:
             for tokens in (64, 128):
-                ids = torch.randint(3, 500, (1, tokens))
-                positions = torch.arange(tokens // 4).repeat(4)[None]
+                ids = torch.randint(3, 500, (1, tokens), device=model.device)
+                positions = torch.arange(tokens // 4, device=model.device).repeat(4)[None]
                 totals[tokens], out = saved_for_backward(
                     model, lambda: model(input_ids=ids, position_ids=positions, labels=ids))
                 out.loss.backward()
