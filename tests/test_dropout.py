@@ -64,8 +64,8 @@ def projection(tiny_model_dir, p: float):
 def test_a_compiled_layer_drops_through_its_op_and_trains_through_that_mask(tiny_model_dir, how, monkeypatch):
     """Traced into a compiled layer (how="product", the default), a fused projection's dropout is one
     freetune::dropped_product call (bench's dropout_op: freetune::dropout_packed), no other random draw but its
-    seed's; its output and gradients are those of plain tensor code over the mask reference_draw draws from the seed that torch's
-    generator gives at that point (forward and backward: one mask)."""
+    seed's; its output and gradients are those of plain tensor code over the mask reference_draw draws from the seed
+    that torch's generator gives at that point (forward and backward: one mask)."""
     import bitsandbytes.functional as bnbf
 
     monkeypatch.setattr(dropout, "_DRAW", {"how": how})
