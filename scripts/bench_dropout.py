@@ -12,10 +12,18 @@ Ways, per shape (tokens x width of the input, LoRA rank 16), each on the same in
   op           freetune::dropout_packed's kernel (8 keep-draws a Philox call, the dropped x written) and the product;
   product      freetune::dropped_product's kernel (the product from the draws, the dropped x never written), per tile
                (rows x columns x warps).
+And the backward's two dropout terms, LoRA A's gradient dh^T dropout(x) and the input gradient's dx += mask * (dh A)
+/ (1 - p), from the saved bits:
+  backward inductor  torch.compile of the code before the kernels (the mask unpacked, the dropped x made again and
+                     multiplied by cuBLAS; the product dh A written, masked and added);
+  backward inductor, grad_a / add   each term alone, the same way;
+  grad_a, add        freetune::dropped_grad_a's and freetune::add_dropped_product_'s kernels, per tile (rows x
+                     columns x tokens a program's sum x warps; rows x columns x warps).
 
 Usage (GPU machine):  python3 scripts/bench_dropout.py [--dtype float16|bfloat16] [--p 0.05] [--json OUT]
 Prints a table: milliseconds per call (median of triton.testing.do_bench) and what that is per step of the T4
-long-row bench (35 calls per width for the 6 projections that read the hidden states, 35 for the down projection).
+long-row bench (35 calls per width for the 6 projections that read the hidden states, 35 for the down projection;
+the backward's 28: a recompute has no backward of its own).
 """
 
 import argparse
@@ -25,6 +33,8 @@ TOKENS = 8192                    # 8 rows x 1,024 tokens, the T4 long-row bench'
 WIDTHS = {"hidden": 1536, "intermediate": 8960}  # Qwen2.5-1.5B: q, k, v, o, gate, up read 1536; down reads 8960
 CALLS_PER_STEP = {"hidden": 6 * 35, "intermediate": 35}  # 28 layers + 7 recomputed, per projection
 TILES = [(32, 64, 4), (16, 64, 4), (16, 128, 4), (32, 128, 4), (32, 64, 8), (64, 64, 8), (16, 64, 2)]
+GRAD_A_TILES = [(64, 128, 512, 4), (64, 64, 512, 4), (32, 64, 256, 4), (64, 64, 256, 8), (32, 128, 256, 4)]
+ADD_TILES = [(64, 128, 4), (32, 128, 4), (32, 64, 4), (16, 128, 4), (64, 256, 8), (32, 256, 4)]
 
 
 def main():
@@ -70,13 +80,66 @@ def main():
             rows.append({"shape": f"{TOKENS}x{width}", "way": way, "ms_per_call": round(ms, 4),
                          "ms_per_step": round(ms * CALLS_PER_STEP[name], 2)})
         triton_kernels.PRODUCT_TILE.update(default_tile)
+        rows += backward_rows(name, x, a, want_bits, p, torch, triton, triton_kernels, lora_kernel)
     print(f"{torch.cuda.get_device_name()}, {args.dtype}, p={p}, rank {args.rank}, {TOKENS} tokens a call")
-    print(f"{'shape':<12} {'way':<22} {'ms a call':>10} {'ms a step':>10}")
+    print(f"{'shape':<12} {'way':<28} {'ms a call':>10} {'ms a step':>10}")
     for row in rows:
-        print(f"{row['shape']:<12} {row['way']:<22} {row['ms_per_call']:>10.4f} {row['ms_per_step']:>10.2f}")
+        print(f"{row['shape']:<12} {row['way']:<28} {row['ms_per_call']:>10.4f} {row['ms_per_step']:>10.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "dtype": args.dtype, "p": p, "rows": rows}, f, indent=1)
+
+
+def backward_rows(name, x, a, bits, p, torch, triton, triton_kernels, lora_kernel):
+    """The backward's dropout terms each way on one shape (the module's list), after checking the kernels' results
+    against the compiled code's."""
+    import triton.testing
+
+    scale = 1.0 / (1.0 - p)
+    dh = torch.randn(x.shape[0], a.shape[0], device=x.device, dtype=x.dtype)
+    dx = torch.randn_like(x)
+
+    def inductor_way(dh, x, bits, a, dx):
+        mask = lora_kernel.unpack_mask(bits, x.shape[1], x.dtype)
+        return dh.t() @ (x * mask * scale), dx + (dh @ a) * mask * scale
+
+    def inductor_grad_a(dh, x, bits):
+        return dh.t() @ (x * lora_kernel.unpack_mask(bits, x.shape[1], x.dtype) * scale)
+
+    def inductor_add(dh, a, bits, dx):
+        return dx + (dh @ a) * lora_kernel.unpack_mask(bits, dx.shape[1], dx.dtype) * scale
+
+    compiled = torch.compile(inductor_way, dynamic=False)
+    compiled_grad_a = torch.compile(inductor_grad_a, dynamic=False)
+    compiled_add = torch.compile(inductor_add, dynamic=False)
+    want_a, want_x = compiled(dh, x, bits, a, dx)
+    torch.testing.assert_close(triton_kernels.dropped_grad_a(dh, x, bits, p), want_a, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(triton_kernels.add_dropped_product_(dx.clone(), dh, a, bits, p), want_x,
+                               rtol=2e-2, atol=2e-2)
+    ways = {"backward inductor": lambda: compiled(dh, x, bits, a, dx),
+            "backward inductor, grad_a": lambda: compiled_grad_a(dh, x, bits),
+            "backward inductor, add": lambda: compiled_add(dh, a, bits, dx)}
+    target = dx.clone()
+    defaults = dict(triton_kernels.GRAD_A_TILE), dict(triton_kernels.ADD_TILE)
+    for rows_, cols, split, warps in GRAD_A_TILES:
+        def grad_a(tile=dict(rows=rows_, cols=cols, split=split, warps=warps)):
+            triton_kernels.GRAD_A_TILE.update(tile)
+            return triton_kernels.dropped_grad_a(dh, x, bits, p)
+        torch.testing.assert_close(grad_a(), want_a, rtol=2e-2, atol=2e-2)
+        ways[f"grad_a {rows_}x{cols}x{split}x{warps}"] = grad_a
+    for rows_, cols, warps in ADD_TILES:
+        def add(tile=dict(rows=rows_, cols=cols, warps=warps)):
+            triton_kernels.ADD_TILE.update(tile)
+            return triton_kernels.add_dropped_product_(target, dh, a, bits, p)
+        ways[f"add {rows_}x{cols}x{warps}"] = add
+    rows = []
+    for way, fn in ways.items():
+        ms = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+        rows.append({"shape": f"{TOKENS}x{x.shape[1]}", "way": way, "ms_per_call": round(ms, 4),
+                     "ms_per_step": round(ms * CALLS_PER_STEP[name] * 28 / 35, 2)})  # no backward of a recompute
+    triton_kernels.GRAD_A_TILE.update(defaults[0])
+    triton_kernels.ADD_TILE.update(defaults[1])
+    return rows
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from scripts.bench_prepare import ARCHITECTURE
 EXPERIMENTS = ("liger", "cpp_wrapper", "combo_kernels", "dense_head", "no_packed_check", "pin_cores", "byte_masks",
                "fp32_absmax", "per_layer_casts", "copied_heads", "kv_head_calls", "trl_empty_cache", "no_triton",
                "op_dgrad", "addmm_sums", "out_of_place_backward_sums", "traced_addmm",
-               "widening_addmm", "dropout_inductor", "dropout_op",
+               "widening_addmm", "dropout_inductor", "dropout_op", "dropout_backward_kernels",
                "skip_guards", "no_asserts", "gc_unfrozen", "lora_dropout", "full_recompute",
                "optimizer_per_tensor",
                "ddp_split", "static_graph", "bucket_view", "bucket_mb", "flat_sync")
@@ -173,6 +173,10 @@ PATCHES: dict[str, tuple[Patch, ...]] = {
     # the same kernel); or the 8-a-call draws with the dropped input written and multiplied apart (dropout_packed)
     "dropout_inductor": (Patch("freetune.speed.dropout", "_DRAW", _set({"how": "inductor"})),),
     "dropout_op": (Patch("freetune.speed.dropout", "_DRAW", _set({"how": "op"})),),
+    # the backward's LoRA dropout terms from the bits in one kernel each (freetune.speed.dropout's dropped_grad_a and
+    # add_dropped_product_), not the bits unpacked, the dropped input made again for LoRA A's gradient and the input
+    # gradient's LoRA product written, then masked and added (issue 49, eleventh session: fewer kernel-ms, more host)
+    "dropout_backward_kernels": (Patch("freetune.speed.dropout", "_BACKWARD", _set({"kernels": True})),),
     # Two more host costs of every compiled layer call (tenth session): guards, and the compiled graphs' wrapper
     # code checking every input's size and stride per call.
     "skip_guards": (Patch("freetune.trainer", "FreetuneTrainer.training_step", _guards_skipped_after_warmup),),

@@ -53,8 +53,10 @@ class StackSampler:
     telemetry) are left out. The GIL's switch interval is shortened while it runs so that a sample is taken when due;
     the sampled run is a little slower."""
 
-    # An innermost frame here: a parked thread (a lock, a queue, inductor's compile workers waiting), not work.
-    IDLE = ("threading.py", "queue.py", "selectors.py", "compile_worker/subproc_pool.py", "compile_worker/timer.py")
+    # An innermost frame here: a parked thread (a lock, a queue, inductor's compile workers waiting, an idle thread
+    # pool's worker: its wait for work is C code under concurrent.futures' _worker), not work.
+    IDLE = ("threading.py", "queue.py", "selectors.py", "compile_worker/subproc_pool.py", "compile_worker/timer.py",
+            "concurrent/futures/thread.py")
 
     def __init__(self, interval: float = 0.001):
         self.interval, self.ticks, self.threads, self.self_counts, self.inclusive = interval, 0, {}, {}, {}

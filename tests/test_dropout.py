@@ -60,15 +60,19 @@ def projection(tiny_model_dir, p: float):
     return model.get_base_model().model.layers[0].mlp.down_proj
 
 
-@pytest.mark.parametrize("how", ["product", "op"])
-def test_a_compiled_layer_drops_through_its_op_and_trains_through_that_mask(tiny_model_dir, how, monkeypatch):
+@pytest.mark.parametrize("how,backward_kernels", [("product", False), ("op", False), ("product", True)])
+def test_a_compiled_layer_drops_through_its_op_and_trains_through_that_mask(tiny_model_dir, how, backward_kernels,
+                                                                            monkeypatch):
     """Traced into a compiled layer (how="product", the default), a fused projection's dropout is one
     freetune::dropped_product call (bench's dropout_op: freetune::dropout_packed), no other random draw but its
-    seed's; its output and gradients are those of plain tensor code over the mask reference_draw draws from the seed
-    that torch's generator gives at that point (forward and backward: one mask)."""
+    seed's; its backward unpacks the mask's bits for inductor's code (bench's dropout_backward_kernels: reads them
+    in freetune::dropped_grad_a and freetune::add_dropped_product_, never unpacked). Its output and gradients are those
+    of plain tensor code over the mask reference_draw draws from the seed that torch's generator gives at that point
+    (forward and backward: one mask)."""
     import bitsandbytes.functional as bnbf
 
     monkeypatch.setattr(dropout, "_DRAW", {"how": how})
+    monkeypatch.setattr(dropout, "_BACKWARD", {"kernels": backward_kernels})
     p = 0.3
     layer = projection(tiny_model_dir, p)
     name = layer.active_adapters[0]
@@ -79,9 +83,14 @@ def test_a_compiled_layer_drops_through_its_op_and_trains_through_that_mask(tiny
     graphs, out = aten_graphs(layer, x)  # out.sum().backward() inside
     got = (out.detach(), x.grad.clone(), a.grad.clone(), b.grad.clone())
     targets = [str(node.target) for node in graphs["forward"].graph.nodes if node.op == "call_function"]
+    backward = [str(node.args[0] if "auto_functionalized" in str(node.target) else node.target)
+                for node in graphs["backward"].graph.nodes if node.op == "call_function"]
     # the op and its seed's draw, no other random draw or dropout
     op = {"product": "freetune.dropped_product.default", "op": "freetune.dropout_packed.default"}[how]
     assert sorted(t for t in targets if "rand" in t or "drop" in t) == ["aten.randint.low", op]
+    ops = ["freetune.add_dropped_product_.default", "freetune.dropped_grad_a.default"]
+    assert sorted(t for t in backward if t.startswith("freetune") and "drop" in t) == (ops if backward_kernels else [])
+    assert ("aten.bitwise_right_shift.Tensor" in backward) != backward_kernels  # the bits unpacked or never
     x.grad = a.grad = b.grad = None
 
     torch.manual_seed(7)

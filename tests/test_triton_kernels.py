@@ -224,6 +224,51 @@ def test_the_dropout_kernel_draws_what_the_reference_draws_on_a_gpu():
     check_dropout_draw(on_gpu())
 
 
+def check_dropout_backward(device):
+    """The backward's dropout kernels: dropped_grad_a is dh^T dropout(x) and add_dropped_product_ adds the mask's
+    share of dh A / (1 - p) to dx in place, both from the packed bits reference_draw gives, against fp32 products of
+    the reference's dropped x (within a rounding of the 16-bit output); tokens that split into several programs' sums
+    (a split smaller than the default's, and one that leaves a partial last split), widths with a partial last byte
+    and tile, ranks below tl.dot's 16, at it and between powers of two."""
+    from freetune.speed import dropout
+
+    gen = torch.Generator().manual_seed(5)
+    default_tile = dict(triton_kernels.GRAD_A_TILE)
+    dtypes = (torch.float16, torch.bfloat16) if device != "cpu" else (torch.float16,)  # bf16: see check_dropout_draw
+    try:
+        for (tokens, cols), dtype, p, split in (((37, 203), dtypes[-1], 0.05, default_tile["split"]),
+                                                ((300, 136), torch.float16, 0.5, 128)):
+            triton_kernels.GRAD_A_TILE.update(split=split)
+            x = torch.randn(tokens, cols, generator=gen).to(dtype).to(device)
+            seed = torch.tensor([2**61 + 99], device=device)
+            dropped, bits = dropout.reference_draw(x, seed, p)
+            for rank in (8, 16, 20):
+                dh = torch.randn(tokens, rank, generator=gen).to(dtype).to(device)
+                a = (torch.randn(rank, cols, generator=gen) / cols**0.5).to(dtype).to(device)
+                got = triton_kernels.run("dropped_grad_a", dh, x, bits, p)
+                want = dh.float().t() @ dropped.float()
+                assert got.shape == (rank, cols) and got.dtype == dtype, (tokens, cols, rank)
+                # a sum over the tokens: its 16-bit rounding grows with it
+                torch.testing.assert_close(got.float(), want, rtol=2 * rounding(dtype),
+                                           atol=2 * rounding(dtype) * tokens**0.5)
+                dx = torch.randn(tokens, cols, generator=gen).to(dtype).to(device)
+                kept = lora_kernel.unpack_mask(bits, cols, torch.float32)
+                want = dx.float() + (dh.float() @ a.float()) * kept / (1 - p)
+                assert triton_kernels.run("add_dropped_product_", dx, dh, a, bits, p) is dx
+                torch.testing.assert_close(dx.float(), want, rtol=2 * rounding(dtype), atol=2 * rounding(dtype))
+    finally:
+        triton_kernels.GRAD_A_TILE.update(default_tile)
+    assert not triton_kernels._BROKEN, triton_kernels._BROKEN
+
+
+def test_the_dropout_backward_kernels_compute_the_gradients_from_the_bits():
+    interpreted("check_dropout_backward")
+
+
+def test_the_dropout_backward_kernels_compute_the_gradients_from_the_bits_on_a_gpu():
+    check_dropout_backward(on_gpu())
+
+
 def test_a_kernel_whose_launch_failed_sends_only_its_own_callers_to_the_eager_code(monkeypatch):
     """A failed launch warns once and that kernel's run() returns None from then on (its callers' eager code); the
     other kernels still launch: the dropout product's tl.dot failing must not cost the dequantisation its kernel."""

@@ -25,6 +25,10 @@ bench: 12 ms of kernels a step less than inductor's dropout, the same peak); ben
 and dropout_op run the others, scripts/bench_dropout.py times each way's kernels alone. The kernels are checked on a
 CPU through Triton's interpreter and on a GPU (tests/test_triton_kernels.py).
 
+The backward reads the saved bits: inductor's code unpacks them for LoRA A's gradient (the dropped x made again for
+cuBLAS) and for the input gradient's LoRA term; lora_a_grad_of_dropped and add_dropped_lora_grad_ can instead compute
+each term in one kernel from the bits (_BACKWARD, off: fewer kernel-milliseconds, more host time, measured).
+
 Where there is no Triton kernel for the tensor (no Triton, or that kernel's launch failed), a GPU draws with torch's
 own dropout kernel and a CPU with `reference_draw`, the same numbers as the kernels in torch code (the tests compare
 them).
@@ -111,13 +115,14 @@ def _torch_dropout(x, p: float):
     return dropped, pack_mask(kept)
 
 
-def _product_kernel_runs(x, a) -> bool:
-    """Whether freetune::dropped_product's kernel takes x and A: 16-bit (tl.dot's inputs; fp32 would round to tf32),
-    bf16 only where the GPU multiplies it (compute capability 8.0 on; a T4 trains in fp16), a rank up to 128 (its
-    fp32 sums held in registers)."""
+def _product_kernel_runs(x, rank: int, *others) -> bool:
+    """Whether the kernels with a product in them (freetune::dropped_product's, the backward's) take x and the
+    others (A, dh, dx): one 16-bit dtype (tl.dot's inputs; fp32 would round to tf32), bf16 only where the GPU
+    multiplies it (compute capability 8.0 on; a T4 trains in fp16), all contiguous, a rank up to 128 (its fp32 sums
+    held in registers)."""
     import torch
 
-    return (x.dtype == a.dtype and _fits_the_kernels(x) and a.is_contiguous() and a.shape[0] <= 128
+    return (all(t.dtype == x.dtype and t.is_contiguous() for t in others) and _fits_the_kernels(x) and rank <= 128
             and (x.dtype == torch.float16 or x.dtype == torch.bfloat16 and (
                 not x.is_cuda or torch.cuda.get_device_capability(x.device) >= (8, 0))))
 
@@ -125,7 +130,7 @@ def _product_kernel_runs(x, a) -> bool:
 def _dropped_product(x, a, seed, p: float):
     """freetune::dropped_product's body: the Triton kernel where it runs on x, else the draw and a product."""
     fast = nf4.triton_for(x)
-    if fast is not None and _product_kernel_runs(x, a):
+    if fast is not None and _product_kernel_runs(x, a.shape[0], a):
         out = fast.run("dropped_product", x, a, seed, p)
         if out is not None:
             return out
@@ -133,10 +138,37 @@ def _dropped_product(x, a, seed, p: float):
     return dropped @ a.t(), bits
 
 
+def _grad_a(dh, x, bits, p: float):
+    """freetune::dropped_grad_a's body: dh^T dropout(x) from the saved bits, in x's dtype; the Triton kernel where it
+    runs, else the dropped x made again and a product."""
+    from freetune.speed.lora_kernel import unpack_mask
+
+    fast = nf4.triton_for(x)
+    if fast is not None and _product_kernel_runs(x, dh.shape[1], dh) and bits.is_contiguous():
+        out = fast.run("dropped_grad_a", dh, x, bits, p)
+        if out is not None:
+            return out
+    return dh.t() @ (x * unpack_mask(bits, x.shape[1], x.dtype) * (1.0 / (1.0 - p)))
+
+
+def _add_product_dropped(dx, dh, a, bits, p: float) -> None:
+    """freetune::add_dropped_product_'s body: dx += mask * (dh A) / (1 - p) in place; the Triton kernel where it runs,
+    else the product, the mask and an add."""
+    from freetune.speed.lora_kernel import unpack_mask
+
+    fast = nf4.triton_for(dx)
+    if fast is not None and _product_kernel_runs(dx, dh.shape[1], dh, a) and bits.is_contiguous():
+        if fast.run("add_dropped_product_", dx, dh, a, bits, p) is not None:
+            return
+    dx.add_((dh @ a).mul_(unpack_mask(bits, dx.shape[1], dx.dtype)).mul_(1.0 / (1.0 - p)))
+
+
 def _op(name: str):
     """The custom op `name` (made once, eagerly: dynamo cannot trace its making; the compiled layers call each as one
-    opaque kernel): freetune::dropout_packed(x, seed, p) -> (dropout(x), keep-mask bits) and
-    freetune::dropped_product(x, a, seed, p) -> (dropout(x) A^T, keep-mask bits)."""
+    opaque kernel): freetune::dropout_packed(x, seed, p) -> (dropout(x), keep-mask bits),
+    freetune::dropped_product(x, a, seed, p) -> (dropout(x) A^T, keep-mask bits), and the backward's
+    freetune::dropped_grad_a(dh, x, bits, p) -> dh^T dropout(x) and freetune::add_dropped_product_(dx, dh, a, bits, p)
+    (dx += the mask's share of dh A, in place: inductor runs it on dx's own buffer, as lora_kernel's add_product_)."""
     if name not in _OPS:
         import torch
 
@@ -147,18 +179,26 @@ def _op(name: str):
             op = torch.library.custom_op("freetune::dropout_packed", _draw, mutates_args=(),
                                          schema="(Tensor x, Tensor seed, float p) -> (Tensor, Tensor)")
             op.register_fake(lambda x, seed, p: (torch.empty_like(x), bits_like(x)))
-        else:
+        elif name == "dropped_product":
             op = torch.library.custom_op("freetune::dropped_product", _dropped_product, mutates_args=(),
                                          schema="(Tensor x, Tensor a, Tensor seed, float p) -> (Tensor, Tensor)")
             op.register_fake(lambda x, a, seed, p: (x.new_empty((x.shape[0], a.shape[0])), bits_like(x)))
+        elif name == "dropped_grad_a":
+            op = torch.library.custom_op("freetune::dropped_grad_a", _grad_a, mutates_args=(),
+                                         schema="(Tensor dh, Tensor x, Tensor bits, float p) -> Tensor")
+            op.register_fake(lambda dh, x, bits, p: x.new_empty((dh.shape[1], x.shape[1])))
+        else:
+            op = torch.library.custom_op("freetune::add_dropped_product_", _add_product_dropped, mutates_args=("dx",),
+                                         schema="(Tensor(a!) dx, Tensor dh, Tensor a, Tensor bits, float p) -> ()")
+            op.register_fake(lambda dx, dh, a, bits, p: None)
         _OPS[name] = op
     return _OPS[name]
 
 
 def make_ops() -> None:
-    """Both ops, now, eagerly (the fused layer's and the traced MLP's function builders call this)."""
-    _op("dropout_packed")
-    _op("dropped_product")
+    """The ops, now, eagerly (the fused layer's and the traced MLP's function builders call this)."""
+    for name in ("dropout_packed", "dropped_product", "dropped_grad_a", "add_dropped_product_"):
+        _op(name)
 
 
 def _seed(x):
@@ -179,3 +219,43 @@ def lora_a_of_dropped(x, a, p: float):
         return _op("dropped_product")(x.contiguous(), a.contiguous(), _seed(x), p)
     dropped, bits = _op("dropout_packed")(x.contiguous(), _seed(x), p) if how == "op" else _torch_dropout(x, p)
     return dropped @ a.t(), bits
+
+
+# Whether compiled layers' backward computes LoRA A's gradient and the input gradient's LoRA term from dropout's bits
+# in one kernel each (freetune::dropped_grad_a, freetune::add_dropped_product_: bench's experiment
+# dropout_backward_kernels) instead of inductor's code (the bits unpacked, the dropped x made again for cuBLAS, the
+# product dh A written, then masked and added). Off: on an H100 with the T4 long-row bench they took 2.9-3.6 ms
+# (1.6-2.0%) off a step's kernels, but each op's Python body (its dispatch, Triton's launch from Python) cost the
+# backward's thread 0.2-0.55 ms a call, 392 calls a step: tokens/s fell 29-45% on that host-bound GPU. Made
+# triton_ops, which inductor launches from its own code, the host cost went but the kernels ran 7-19% slower than
+# Triton's own launch (docs/performance.md, issue 49, eleventh session).
+_BACKWARD = {"kernels": False}
+
+
+def lora_a_grad_of_dropped(dh, x, bits, p: float):
+    """dh^T dropout(x): LoRA A's gradient (r, n) in x's dtype from s dy B (tokens, r), the projection's input x
+    (tokens, n) and dropout's keep-mask as bits (lora_a_of_dropped's). Inside a compiled layer one kernel
+    (freetune::dropped_grad_a: the dropped x is never written); elsewhere, or with _BACKWARD off, the dropped x made
+    again and a product."""
+    import torch
+
+    if _BACKWARD["kernels"] and torch.compiler.is_compiling():
+        return _op("dropped_grad_a")(dh.contiguous(), x.contiguous(), bits, p)
+    from freetune.speed.lora_kernel import unpack_mask
+
+    return dh.t() @ (x * unpack_mask(bits, x.shape[1], x.dtype) * (1.0 / (1.0 - p)))
+
+
+def add_dropped_lora_grad_(dx, dh, a, bits, p: float):
+    """dx += dropout's mask x (dh A) / (1 - p), in place, for an input gradient dx (tokens, n), s dy B dh (tokens, r),
+    A (r, n) and dropout's keep-mask as bits; returns dx. Inside a compiled layer one kernel
+    (freetune::add_dropped_product_: the product dh A is never written); elsewhere, or with _BACKWARD off, the product,
+    the mask and an add."""
+    import torch
+
+    if _BACKWARD["kernels"] and torch.compiler.is_compiling() and dx.is_contiguous():
+        _op("add_dropped_product_")(dx, dh.contiguous(), a.contiguous(), bits, p)
+        return dx
+    from freetune.speed.lora_kernel import unpack_mask
+
+    return dx.add_((dh @ a).mul_(unpack_mask(bits, dx.shape[1], dx.dtype)).mul_(1.0 / (1.0 - p)))

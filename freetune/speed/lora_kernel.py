@@ -205,10 +205,12 @@ def _function():
 
         @staticmethod
         def backward(ctx, dy):
-            weight, absmax, table, x2, packed, h, a, b = ctx.saved_tensors
-            mask = packed
-            if packed is not None and packed.dtype == torch.uint8:
-                mask = unpack_mask(packed, x2.shape[-1], x2.dtype)
+            weight, absmax, table, x2, mask, h, a, b = ctx.saved_tensors
+            # A compiled layer's mask is bits (dropout.lora_a_of_dropped), which the backward's two dropout terms read
+            # as they are (freetune.speed.dropout's kernels); an eager layer's is torch's bool mask.
+            bits = mask is not None and mask.dtype == torch.uint8
+            if mask is not None and not bits:
+                mask = mask.to(x2.dtype)
             s = ctx.scaling
             compute = ctx.spec[3]
             shape = dy.shape
@@ -218,14 +220,19 @@ def _function():
             if ctx.needs_input_grad[2]:
                 grad_b = (dy2.t() @ h).mul_(s).to(ctx.b_dtype)
             if ctx.needs_input_grad[1]:
-                # native_dropout's own output, recomputed: input x mask x 1/(1-p)
-                xd = x2 if mask is None else x2 * mask * (1.0 / (1.0 - ctx.dropout_p))
-                grad_a = (dh.t() @ xd).to(ctx.a_dtype)
-                del xd
+                if bits:
+                    grad_a = dropout.lora_a_grad_of_dropped(dh, x2, mask, ctx.dropout_p).to(ctx.a_dtype)
+                else:
+                    # native_dropout's own output, recomputed: input x mask x 1/(1-p)
+                    xd = x2 if mask is None else x2 * mask * (1.0 / (1.0 - ctx.dropout_p))
+                    grad_a = (dh.t() @ xd).to(ctx.a_dtype)
+                    del xd
             if ctx.needs_input_grad[0]:
                 grad_x = nf4.times_dequantized(dy2, weight, absmax, ctx.spec, table)
                 if mask is None:
                     grad_x = plus_product(grad_x, dh, a, phase="backward")
+                elif bits:
+                    grad_x = dropout.add_dropped_lora_grad_(grad_x, dh, a, mask, ctx.dropout_p)
                 else:
                     grad_x.add_((dh @ a).mul_(mask).mul_(1.0 / (1.0 - ctx.dropout_p)))
                 grad_x = grad_x.reshape(*shape[:-1], grad_x.shape[-1]).to(ctx.x_dtype)

@@ -23,11 +23,6 @@ def _dequantized(packed, absmax, table, spec, copy: bool = False):
     return nf4._dequantize(packed, absmax, spec, table)
 
 
-def _masked(t, packed, p: float):
-    """t where dropout kept it (its mask saved as bits), times 1 / (1 - p)."""
-    return t * lora_kernel.unpack_mask(packed, t.shape[-1], t.dtype) * mlp_ops._keep_scale(p)
-
-
 def _project(inp, packed, absmax, table, spec, a, b, s, p: float, hs: list, masks: list):
     """One projection's forward, x W^T + s (dropout(x) A^T) B^T; its A output and dropout's mask (bits) appended to
     hs and masks, for the backward."""
@@ -51,12 +46,13 @@ def _gate_up_grads(x2, d_gate, d_up, saved: tuple, p: float) -> tuple[list, obje
     grads, dx = [], None
     for d, (h, mask, a, b, s, packed, absmax, table, spec) in zip((d_gate, d_up), saved):
         dh = (d @ b).mul_(s)
-        grads += [dh.t() @ (x2 if mask is None else _masked(x2, mask, p)), (d.t() @ h).mul_(s)]
+        grads += [dh.t() @ x2 if mask is None else dropout.lora_a_grad_of_dropped(dh, x2, mask, p),
+                  (d.t() @ h).mul_(s)]
         part = nf4.times_dequantized(d, packed, absmax, spec, table)
         if mask is None:
             part = lora_kernel.plus_product(part, dh, a, phase="backward")
         else:
-            part = part + _masked(dh @ a, mask, p)
+            part = dropout.add_dropped_lora_grad_(part, dh, a, mask, p)
         dx = part if dx is None else dx + part
     return grads, dx
 

@@ -16,7 +16,8 @@ computes them).
 
 Also the LoRA dropout ops' kernels (freetune.speed.dropout: the keep-draws eight elements per Philox call, and the
 LoRA-A product from them), which compiled layers call for their LoRA dropout (bench's dropout_inductor turns them
-off); their draws are dropout.reference_draw's, bit for bit.
+off); their draws are dropout.reference_draw's, bit for bit. And the backward's two dropout terms from the mask's bits
+(LoRA A's gradient, the input gradient's LoRA term), off by default (dropout._BACKWARD says why).
 
 Imported where Triton is (freetune.speed.nf4.triton_for). A launch that fails (a GPU or build Triton cannot compile
 that kernel for) warns once and that kernel's callers take their eager path from then on; the other kernels stay in use
@@ -207,6 +208,62 @@ def _dropped_product_kernel(x_ptr, a_ptr, seed_ptr, h_ptr, bits_ptr, tokens, col
              mask=row_in[:, None] & (ranks < rank)[None, :])
 
 
+@triton.jit
+def _kept_tile(bits_ptr, rows, row_in, first, bit_cols, ROWS: tl.constexpr, COLS: tl.constexpr):
+    # (ROWS, COLS) of dropout's keep-mask from its bits (freetune.speed.lora_kernel.pack_mask: 8 a byte, the lowest
+    # bit first), columns first on (a multiple of 8): each byte loaded once, its 8 bits spread over 8 columns
+    nth = first // 8 + tl.arange(0, COLS // 8)
+    byte = tl.load(bits_ptr + rows[:, None] * bit_cols + nth[None, :],
+                   mask=row_in[:, None] & (nth < bit_cols)[None, :], other=0).to(tl.int32)
+    return tl.reshape((byte[:, :, None] >> tl.arange(0, 8)[None, None, :]) & 1, [ROWS, COLS]) != 0
+
+
+@triton.jit
+def _dropped_grad_a_kernel(dh_ptr, x_ptr, bits_ptr, part_ptr, tokens, cols, bit_cols, rank, scale,
+                           SPLIT: tl.constexpr, R: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+    # (dh^T dropout(x)) over SPLIT tokens for COLS columns: program (j, k) sums tokens k * SPLIT on of columns j * COLS
+    # on into part[k] (fp32); the dropped x made in registers from x and the bits, never written. SPLIT a constant
+    # (Triton 3.6's interpreter cannot loop up to a run-time scalar).
+    first_col = tl.program_id(0) * COLS
+    col = first_col + tl.arange(0, COLS)
+    col_in = col < cols
+    ranks = tl.arange(0, R)  # R: the rank padded to a power of two >= 16 (tl.dot's least)
+    acc = tl.zeros([R, COLS], dtype=tl.float32)
+    for first in range(0, SPLIT, ROWS):
+        rows = tl.program_id(1) * SPLIT + first + tl.arange(0, ROWS)
+        row_in = rows < tokens
+        keep = _kept_tile(bits_ptr, rows, row_in, first_col, bit_cols, ROWS, COLS)
+        x = tl.load(x_ptr + rows[:, None] * cols + col[None, :], mask=row_in[:, None] & col_in[None, :],
+                    other=0.0).to(tl.float32)
+        dropped = tl.where(keep, x * scale, 0.0).to(x_ptr.dtype.element_ty)
+        dh_t = tl.load(dh_ptr + rows[None, :] * rank + ranks[:, None], mask=(ranks < rank)[:, None] & row_in[None, :],
+                       other=0.0)
+        acc += tl.dot(dh_t.to(dropped.dtype), dropped)
+    tl.store(part_ptr + tl.program_id(1) * rank * cols + ranks[:, None] * cols + col[None, :], acc,
+             mask=(ranks < rank)[:, None] & col_in[None, :])
+
+
+@triton.jit
+def _add_dropped_product_kernel(dx_ptr, dh_ptr, a_ptr, bits_ptr, tokens, cols, bit_cols, rank, scale,
+                                R: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+    # dx += dropout's mask x scale x (dh A) on a ROWS x COLS tile, in place: the product (tokens x cols) never written
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    col = tl.program_id(1) * COLS + tl.arange(0, COLS)
+    row_in = rows < tokens
+    col_in = col < cols
+    ranks = tl.arange(0, R)
+    dh = tl.load(dh_ptr + rows[:, None] * rank + ranks[None, :], mask=row_in[:, None] & (ranks < rank)[None, :],
+                 other=0.0)
+    a = tl.load(a_ptr + ranks[:, None] * cols + col[None, :], mask=(ranks < rank)[:, None] & col_in[None, :],
+                other=0.0)
+    product = tl.dot(dh, a.to(dh.dtype))
+    where = row_in[:, None] & col_in[None, :]
+    keep = _kept_tile(bits_ptr, rows, row_in, tl.program_id(1) * COLS, bit_cols, ROWS, COLS)
+    at = rows[:, None] * cols + col[None, :]
+    dx = tl.load(dx_ptr + at, mask=where, other=0.0).to(tl.float32)
+    tl.store(dx_ptr + at, (dx + tl.where(keep, product * scale, 0.0)).to(dx_ptr.dtype.element_ty), mask=where)
+
+
 def _grid(n: int):
     return (triton.cdiv(max(n, 1), BLOCK),)
 
@@ -287,3 +344,41 @@ def dropped_product(x, a, seed, p: float):
         PADDED=8 * bits.shape[1], R=max(16, triton.next_power_of_2(rank)), ROWS=tile["rows"], COLS=tile["cols"],
         num_warps=tile["warps"])
     return h, bits
+
+
+# The backward kernels' tiles: dropped_grad_a sums "split" tokens a program ("rows" a loop step) for "cols" columns, so
+# a 1,536-wide input still gives the GPU 12 x 16 programs at 8,192 tokens; add_dropped_product_ one "rows" x "cols" tile
+# a program. scripts/bench_dropout.py on an H100 (fp16, rank 16, the T4 long-row step's shapes): 6.8 and 7.4 ms a
+# step against 10.7 and 12.2 for the code they replace compiled by inductor; the other tiles tried within 0.3 ms of
+# these (reports/gpu/dropout_backward_kernels_h100_issue49_s11.log).
+GRAD_A_TILE = {"rows": 64, "cols": 128, "split": 512, "warps": 4}
+ADD_TILE = {"rows": 32, "cols": 128, "warps": 4}
+
+
+def dropped_grad_a(dh, x, bits, p: float):
+    """dh^T dropout(x) (r, n), x's dtype, for the contiguous s dy B dh (tokens, r) and the layer's input x (tokens, n)
+    of one dtype and dropout's keep-mask as bits: LoRA A's gradient, the dropped x rounded to x's dtype as the forward
+    rounds it, the sums in fp32 and rounded once."""
+    tokens, cols = x.shape
+    rank = dh.shape[1]
+    tile = GRAD_A_TILE
+    splits = triton.cdiv(max(tokens, 1), tile["split"])
+    parts = torch.empty(splits, rank, cols, dtype=torch.float32, device=x.device)
+    _dropped_grad_a_kernel[(triton.cdiv(max(cols, 1), tile["cols"]), splits)](
+        dh, x, bits, parts, tokens, cols, bits.shape[1], rank, 1.0 / (1.0 - p), SPLIT=tile["split"],
+        R=max(16, triton.next_power_of_2(rank)), ROWS=tile["rows"], COLS=tile["cols"], num_warps=tile["warps"])
+    return (parts[0] if splits == 1 else parts.sum(0)).to(x.dtype)
+
+
+def add_dropped_product_(dx, dh, a, bits, p: float):
+    """dx += dropout's mask x (dh A) / (1 - p), in place, for contiguous dx (tokens, n), dh (tokens, r) and A (r, n) of
+    one dtype: the LoRA term of an input gradient where dropout dropped the input, summed in fp32 and rounded once."""
+    tokens, cols = dx.shape
+    rank = dh.shape[1]
+    tile = ADD_TILE
+    grid = (triton.cdiv(max(tokens, 1), tile["rows"]), triton.cdiv(max(cols, 1), tile["cols"]))
+    _add_dropped_product_kernel[grid](
+        dx, dh, a, bits, tokens, cols, bits.shape[1], rank, 1.0 / (1.0 - p), R=max(16, triton.next_power_of_2(rank)),
+        ROWS=tile["rows"], COLS=tile["cols"], num_warps=tile["warps"])
+    return dx
+
