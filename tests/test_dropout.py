@@ -136,3 +136,35 @@ def test_a_checkpointed_compiled_layer_draws_the_same_mask_in_its_recompute(tiny
     for got, want in zip(runs["checkpointed"], runs["plain"]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert not torch.allclose(runs["other seed"][2], runs["plain"][2])
+
+
+def test_the_traced_mlps_backward_through_the_dropout_kernels_ops_gives_its_gradients(tiny_model_dir, monkeypatch):
+    """The traced MLP compiled (its gate's and up's LoRA gradients and input gradient from dropout's bits): with the
+    backward's dropout ops (bench's dropout_backward_kernels; their torch bodies on a CPU) its backward graph calls
+    freetune::dropped_grad_a and freetune::add_dropped_product_ once for gate and once for up, and the output and
+    gradients are the default's, drawn from the same generator state (in place: the input gradient's term added to
+    the projection's own gradient, not to a copy)."""
+    from test_fused_mlp import fused_model
+
+    model = fused_model(tiny_model_dir, torch.float32, chunk=18, dropout=0.3, kernel="traced")
+    mlp = model.get_base_model().model.layers[0].mlp
+    x = torch.randn(2, 9, mlp.gate_proj.in_features, generator=torch.Generator().manual_seed(2)).requires_grad_()
+    params = [getattr(mlp, name).lora_A[mlp.gate_proj.active_adapters[0]].weight for name in ("gate_proj", "up_proj")]
+    runs = {}
+    for backward_kernels in (False, True):
+        monkeypatch.setattr(dropout, "_BACKWARD", {"kernels": backward_kernels})
+        torch.manual_seed(7)
+        graphs, out = aten_graphs(mlp, x)  # out.sum().backward() inside
+        runs[backward_kernels] = [out.detach(), x.grad.clone()] + [t.grad.clone() for t in params]
+        x.grad = None
+        for t in params:
+            t.grad = None
+        backward = [str(node.args[0] if "auto_functionalized" in str(node.target) else node.target)
+                    for node in graphs["backward"].graph.nodes if node.op == "call_function"]
+        ops = sorted(t for t in backward if t in ("freetune.dropped_grad_a.default",
+                                                   "freetune.add_dropped_product_.default"))
+        assert ops == (["freetune.add_dropped_product_.default"] * 2 + ["freetune.dropped_grad_a.default"] * 2
+                       if backward_kernels else [])
+    assert runs[True][2].abs().sum() > 0
+    for got, want in zip(runs[True], runs[False]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
