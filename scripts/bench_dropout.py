@@ -80,7 +80,7 @@ def main():
             rows.append({"shape": f"{TOKENS}x{width}", "way": way, "ms_per_call": round(ms, 4),
                          "ms_per_step": round(ms * CALLS_PER_STEP[name], 2)})
         triton_kernels.PRODUCT_TILE.update(default_tile)
-        rows += backward_rows(name, x, a, want_bits, p, torch, triton, triton_kernels, lora_kernel)
+        rows += backward_rows(name, x, a, want_bits, p)
     print(f"{torch.cuda.get_device_name()}, {args.dtype}, p={p}, rank {args.rank}, {TOKENS} tokens a call")
     print(f"{'shape':<12} {'way':<28} {'ms a call':>10} {'ms a step':>10}")
     for row in rows:
@@ -90,10 +90,13 @@ def main():
             json.dump({"device": torch.cuda.get_device_name(), "dtype": args.dtype, "p": p, "rows": rows}, f, indent=1)
 
 
-def backward_rows(name, x, a, bits, p, torch, triton, triton_kernels, lora_kernel):
+def backward_rows(name, x, a, bits, p):
     """The backward's dropout terms each way on one shape (the module's list), after checking the kernels' results
     against the compiled code's."""
+    import torch
     import triton.testing
+
+    from freetune.speed import lora_kernel, triton_kernels
 
     scale = 1.0 / (1.0 - p)
     dh = torch.randn(x.shape[0], a.shape[0], device=x.device, dtype=x.dtype)
