@@ -138,29 +138,39 @@ def _dropped_product(x, a, seed, p: float):
     return dropped @ a.t(), bits
 
 
+def _grad_a_eager(dh, x, bits, p: float):
+    """dh^T dropout(x) in torch code: the dropped x made again from the bits (inductor's code in a compiled layer)."""
+    from freetune.speed.lora_kernel import unpack_mask
+
+    return dh.t() @ (x * unpack_mask(bits, x.shape[1], x.dtype) * (1.0 / (1.0 - p)))
+
+
+def _add_product_dropped_eager(dx, dh, a, bits, p: float):
+    """dx += mask * (dh A) / (1 - p) in place, in torch code: the product, the mask and an add; returns dx."""
+    from freetune.speed.lora_kernel import unpack_mask
+
+    return dx.add_((dh @ a).mul_(unpack_mask(bits, dx.shape[1], dx.dtype)).mul_(1.0 / (1.0 - p)))
+
+
 def _grad_a(dh, x, bits, p: float):
     """freetune::dropped_grad_a's body: dh^T dropout(x) from the saved bits, in x's dtype; the Triton kernel where it
     runs, else the dropped x made again and a product."""
-    from freetune.speed.lora_kernel import unpack_mask
-
     fast = nf4.triton_for(x)
     if fast is not None and _product_kernel_runs(x, dh.shape[1], dh) and bits.is_contiguous():
         out = fast.run("dropped_grad_a", dh, x, bits, p)
         if out is not None:
             return out
-    return dh.t() @ (x * unpack_mask(bits, x.shape[1], x.dtype) * (1.0 / (1.0 - p)))
+    return _grad_a_eager(dh, x, bits, p)
 
 
 def _add_product_dropped(dx, dh, a, bits, p: float) -> None:
     """freetune::add_dropped_product_'s body: dx += mask * (dh A) / (1 - p) in place; the Triton kernel where it runs,
     else the product, the mask and an add."""
-    from freetune.speed.lora_kernel import unpack_mask
-
     fast = nf4.triton_for(dx)
     if fast is not None and _product_kernel_runs(dx, dh.shape[1], dh, a) and bits.is_contiguous():
         if fast.run("add_dropped_product_", dx, dh, a, bits, p) is not None:
             return
-    dx.add_((dh @ a).mul_(unpack_mask(bits, dx.shape[1], dx.dtype)).mul_(1.0 / (1.0 - p)))
+    _add_product_dropped_eager(dx, dh, a, bits, p)
 
 
 def _op(name: str):
@@ -241,9 +251,7 @@ def lora_a_grad_of_dropped(dh, x, bits, p: float):
 
     if _BACKWARD["kernels"] and torch.compiler.is_compiling():
         return _op("dropped_grad_a")(dh.contiguous(), x.contiguous(), bits, p)
-    from freetune.speed.lora_kernel import unpack_mask
-
-    return dh.t() @ (x * unpack_mask(bits, x.shape[1], x.dtype) * (1.0 / (1.0 - p)))
+    return _grad_a_eager(dh, x, bits, p)
 
 
 def add_dropped_lora_grad_(dx, dh, a, bits, p: float):
@@ -256,6 +264,4 @@ def add_dropped_lora_grad_(dx, dh, a, bits, p: float):
     if _BACKWARD["kernels"] and torch.compiler.is_compiling() and dx.is_contiguous():
         _op("add_dropped_product_")(dx, dh.contiguous(), a.contiguous(), bits, p)
         return dx
-    from freetune.speed.lora_kernel import unpack_mask
-
-    return dx.add_((dh @ a).mul_(unpack_mask(bits, dx.shape[1], dx.dtype)).mul_(1.0 / (1.0 - p)))
+    return _add_product_dropped_eager(dx, dh, a, bits, p)
