@@ -17,10 +17,15 @@ And the backward's two dropout terms, LoRA A's gradient dh^T dropout(x) and the 
   backward inductor  torch.compile of the code before the kernels (the mask unpacked, the dropped x made again and
                      multiplied by cuBLAS; the product dh A written, masked and added);
   backward inductor, grad_a / add   each term alone, the same way;
-  grad_a, add        freetune::dropped_grad_a's and freetune::add_dropped_product_'s kernels, per tile (rows x
+  grad_a, add        freetune::dropped_grad_a_parts' and freetune::add_dropped_product_'s kernels, per tile (rows x
                      columns x tokens a program's sum x warps; rows x columns x warps).
 
-Usage (GPU machine):  python3 scripts/bench_dropout.py [--dtype float16|bfloat16] [--p 0.05] [--json OUT]
+With --host, instead: the host's time per call of the backward's kernels on a small input (64 tokens: the GPU's
+part a few microseconds), layer by layer (Triton's launch alone, the wrapper, the op's body, the op through the
+dispatcher, a compiled function calling the op, a compiled function doing the same with inductor's code), to find
+where a call's host time goes.
+
+Usage (GPU machine):  python3 scripts/bench_dropout.py [--dtype float16|bfloat16] [--p 0.05] [--host] [--json OUT]
 Prints a table: milliseconds per call (median of triton.testing.do_bench) and what that is per step of the T4
 long-row bench (35 calls per width for the 6 projections that read the hidden states, 35 for the down projection;
 the backward's 28: a recompute has no backward of its own).
@@ -47,9 +52,12 @@ def main():
     parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     parser.add_argument("--p", type=float, default=0.05)
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--host", action="store_true", help="the host's time per call instead (see above)")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args()
     dtype, p = getattr(torch, args.dtype), args.p
+    if args.host:
+        return host_rows(dtype, p, args.rank, args.json)
 
     def inductor_way(x, a):
         dropped, kept = torch.native_dropout(x, p, True)
@@ -116,7 +124,8 @@ def backward_rows(name, x, a, bits, p):
     compiled_grad_a = torch.compile(inductor_grad_a, dynamic=False)
     compiled_add = torch.compile(inductor_add, dynamic=False)
     want_a, want_x = compiled(dh, x, bits, a, dx)
-    torch.testing.assert_close(triton_kernels.dropped_grad_a(dh, x, bits, p), want_a, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(triton_kernels.dropped_grad_a_parts(dh, x, bits, p).sum(0).to(x.dtype), want_a,
+                               rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(triton_kernels.add_dropped_product_(dx.clone(), dh, a, bits, p), want_x,
                                rtol=2e-2, atol=2e-2)
     ways = {"backward inductor": lambda: compiled(dh, x, bits, a, dx),
@@ -127,7 +136,7 @@ def backward_rows(name, x, a, bits, p):
     for rows_, cols, split, warps in GRAD_A_TILES:
         def grad_a(tile=dict(rows=rows_, cols=cols, split=split, warps=warps)):
             triton_kernels.GRAD_A_TILE.update(tile)
-            return triton_kernels.dropped_grad_a(dh, x, bits, p)
+            return triton_kernels.dropped_grad_a_parts(dh, x, bits, p).sum(0).to(x.dtype)
         torch.testing.assert_close(grad_a(), want_a, rtol=2e-2, atol=2e-2)
         ways[f"grad_a {rows_}x{cols}x{split}x{warps}"] = grad_a
     for rows_, cols, warps in ADD_TILES:
@@ -143,6 +152,97 @@ def backward_rows(name, x, a, bits, p):
     triton_kernels.GRAD_A_TILE.update(defaults[0])
     triton_kernels.ADD_TILE.update(defaults[1])
     return rows
+
+
+def host_rows(dtype, p, rank, json_path, tokens=64, calls=2000):
+    """Microseconds of host time per call of each layer of the backward's dropout kernels (the module's list)."""
+    import time
+
+    import torch
+    import triton
+
+    from freetune.speed import dropout, lora_kernel, triton_kernels
+
+    dropout.make_ops()
+    width = WIDTHS["hidden"]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(tokens, width, device="cuda", dtype=dtype, generator=gen)
+    a = torch.randn(rank, width, device="cuda", dtype=dtype, generator=gen) / width**0.5
+    dh = torch.randn(tokens, rank, device="cuda", dtype=dtype, generator=gen)
+    dx = torch.randn_like(x)
+    seed = torch.tensor([12345], device="cuda")
+    bits = dropout.reference_draw(x, seed, p)[1]
+    scale = 1.0 / (1.0 - p)
+    tile = triton_kernels.GRAD_A_TILE
+    parts = torch.empty(1, rank, width, dtype=torch.float32, device="cuda")
+    kernel, grid = triton_kernels._dropped_grad_a_kernel, (triton.cdiv(width, tile["cols"]), 1)
+
+    def launch_only():
+        kernel[grid](dh, x, bits, parts, tokens, width, bits.shape[1], rank, scale, SPLIT=tile["split"],
+                     R=max(16, triton.next_power_of_2(rank)), ROWS=tile["rows"], COLS=tile["cols"],
+                     num_warps=tile["warps"])
+
+    def with_op(dh, x, bits, a, dx):
+        torch.ops.freetune.add_dropped_product_(dx, dh, a, bits, p)
+        return torch.ops.freetune.dropped_grad_a_parts(dh, x, bits, p).sum(0).to(x.dtype)
+
+    def with_inductor(dh, x, bits, a, dx):
+        mask = lora_kernel.unpack_mask(bits, x.shape[1], x.dtype)
+        dx.add_((dh @ a) * mask * scale)
+        return dh.t() @ (x * mask * scale)
+
+    # the same two bodies registered plainly (torch.library.Library: define, impl on CUDA, a fake), without
+    # torch.library.custom_op's Python wrapper around each call
+    plain = torch.library.Library("freetune_probe", "FRAGMENT")
+    plain.define("add_dropped_product_(Tensor(a!) dx, Tensor dh, Tensor a, Tensor bits, float p) -> ()")
+    plain.define("dropped_grad_a_parts(Tensor dh, Tensor x, Tensor bits, float p) -> Tensor")
+    plain.impl("add_dropped_product_", dropout._add_product_dropped, "CUDA")
+    plain.impl("dropped_grad_a_parts", dropout._grad_a_parts, "CUDA")
+    torch.library.register_fake("freetune_probe::add_dropped_product_", lambda dx, dh, a, bits, p: None, lib=plain)
+    torch.library.register_fake("freetune_probe::dropped_grad_a_parts", lambda dh, x, bits, p: x.new_empty(
+        (dropout._grad_a_splits(x), dh.shape[1], x.shape[1]), dtype=torch.float32), lib=plain)
+
+    def with_plain_op(dh, x, bits, a, dx):
+        torch.ops.freetune_probe.add_dropped_product_(dx, dh, a, bits, p)
+        return torch.ops.freetune_probe.dropped_grad_a_parts(dh, x, bits, p).sum(0).to(x.dtype)
+
+    compiled_op, compiled_inductor = torch.compile(with_op, dynamic=True), torch.compile(with_inductor, dynamic=True)
+    compiled_plain = torch.compile(with_plain_op, dynamic=True)
+    ways = {
+        "grad_a: Triton's launch alone": launch_only,
+        "grad_a: the wrapper (the parts' buffer, the launch)": lambda: triton_kernels.dropped_grad_a_parts(
+            dh, x, bits, p),
+        "grad_a: the op's body": lambda: dropout._grad_a_parts(dh, x, bits, p),
+        "grad_a: the op": lambda: torch.ops.freetune.dropped_grad_a_parts(dh, x, bits, p),
+        "add: the wrapper": lambda: triton_kernels.add_dropped_product_(dx, dh, a, bits, p),
+        "add: the op": lambda: torch.ops.freetune.add_dropped_product_(dx, dh, a, bits, p),
+        "grad_a: the op registered plainly": lambda: torch.ops.freetune_probe.dropped_grad_a_parts(dh, x, bits, p),
+        "add: the op registered plainly": lambda: torch.ops.freetune_probe.add_dropped_product_(dx, dh, a, bits, p),
+        "forward: the product op": lambda: torch.ops.freetune.dropped_product(x, a, seed, p),
+        "both terms: compiled, the ops": lambda: compiled_op(dh, x, bits, a, dx),
+        "both terms: compiled, inductor's code": lambda: compiled_inductor(dh, x, bits, a, dx),
+        "both terms: compiled, the ops registered plainly": lambda: compiled_plain(dh, x, bits, a, dx),
+        "both terms: compiled, the ops (again)": lambda: compiled_op(dh, x, bits, a, dx),
+        "an empty torch op (x.view)": lambda: x.view(-1),
+    }
+    rows = []
+    for way, fn in ways.items():
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        queued = time.perf_counter() - start
+        torch.cuda.synchronize()
+        rows.append({"way": way, "host_us_per_call": round(queued / calls * 1e6, 1),
+                     "wall_us_per_call": round((time.perf_counter() - start) / calls * 1e6, 1)})
+    print(f"{torch.cuda.get_device_name()}, {dtype}, p={p}, rank {rank}, {tokens} tokens x {width}: host time a call")
+    for row in rows:
+        print(f"{row['way']:<50} {row['host_us_per_call']:>8.1f} us  (wall {row['wall_us_per_call']:.1f})")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -173,9 +173,10 @@ PATCHES: dict[str, tuple[Patch, ...]] = {
     # the same kernel); or the 8-a-call draws with the dropped input written and multiplied apart (dropout_packed)
     "dropout_inductor": (Patch("freetune.speed.dropout", "_DRAW", _set({"how": "inductor"})),),
     "dropout_op": (Patch("freetune.speed.dropout", "_DRAW", _set({"how": "op"})),),
-    # the backward's LoRA dropout terms from the bits in one kernel each (freetune.speed.dropout's dropped_grad_a and
-    # add_dropped_product_), not the bits unpacked, the dropped input made again for LoRA A's gradient and the input
-    # gradient's LoRA product written, then masked and added (issue 49, eleventh session: fewer kernel-ms, more host)
+    # the backward's LoRA dropout terms from the bits in one kernel each (freetune.speed.dropout's
+    # dropped_grad_a_parts and add_dropped_product_), not the bits unpacked, the dropped input made again for LoRA A's
+    # gradient and the input gradient's LoRA product written, then masked and added (issue 49, eleventh session:
+    # fewer kernel-ms, more host)
     "dropout_backward_kernels": (Patch("freetune.speed.dropout", "_BACKWARD", _set({"kernels": True})),),
     # Two more host costs of every compiled layer call (tenth session): guards, and the compiled graphs' wrapper
     # code checking every input's size and stride per call.

@@ -66,9 +66,9 @@ def test_a_compiled_layer_drops_through_its_op_and_trains_through_that_mask(tiny
     """Traced into a compiled layer (how="product", the default), a fused projection's dropout is one
     freetune::dropped_product call (bench's dropout_op: freetune::dropout_packed), no other random draw but its
     seed's; its backward unpacks the mask's bits for inductor's code (bench's dropout_backward_kernels: reads them
-    in freetune::dropped_grad_a and freetune::add_dropped_product_, never unpacked). Its output and gradients are those
-    of plain tensor code over the mask reference_draw draws from the seed that torch's generator gives at that point
-    (forward and backward: one mask)."""
+    in freetune::dropped_grad_a_parts and freetune::add_dropped_product_, never unpacked). Its output and gradients
+    are those of plain tensor code over the mask reference_draw draws from the seed that torch's generator gives at
+    that point (forward and backward: one mask)."""
     import bitsandbytes.functional as bnbf
 
     monkeypatch.setattr(dropout, "_DRAW", {"how": how})
@@ -88,7 +88,7 @@ def test_a_compiled_layer_drops_through_its_op_and_trains_through_that_mask(tiny
     # the op and its seed's draw, no other random draw or dropout
     op = {"product": "freetune.dropped_product.default", "op": "freetune.dropout_packed.default"}[how]
     assert sorted(t for t in targets if "rand" in t or "drop" in t) == ["aten.randint.low", op]
-    ops = ["freetune.add_dropped_product_.default", "freetune.dropped_grad_a.default"]
+    ops = ["freetune.add_dropped_product_.default", "freetune.dropped_grad_a_parts.default"]
     assert sorted(t for t in backward if t.startswith("freetune") and "drop" in t) == (ops if backward_kernels else [])
     assert ("aten.bitwise_right_shift.Tensor" in backward) != backward_kernels  # the bits unpacked or never
     x.grad = a.grad = b.grad = None
@@ -141,15 +141,16 @@ def test_a_checkpointed_compiled_layer_draws_the_same_mask_in_its_recompute(tiny
 def test_the_traced_mlps_backward_through_the_dropout_kernels_ops_gives_its_gradients(tiny_model_dir, monkeypatch):
     """The traced MLP compiled (its gate's and up's LoRA gradients and input gradient from dropout's bits): with the
     backward's dropout ops (bench's dropout_backward_kernels; their torch bodies on a CPU) its backward graph calls
-    freetune::dropped_grad_a and freetune::add_dropped_product_ once for gate and once for up, and the output and
+    freetune::dropped_grad_a_parts and freetune::add_dropped_product_ once for gate and once for up, and the output and
     gradients are the default's, drawn from the same generator state (in place: the input gradient's term added to
     the projection's own gradient, not to a copy)."""
     from test_fused_mlp import fused_model
 
     model = fused_model(tiny_model_dir, torch.float32, chunk=18, dropout=0.3, kernel="traced")
     mlp = model.get_base_model().model.layers[0].mlp
-    x = torch.randn(2, 9, mlp.gate_proj.in_features, generator=torch.Generator().manual_seed(2)).requires_grad_()
     params = [getattr(mlp, name).lora_A[mlp.gate_proj.active_adapters[0]].weight for name in ("gate_proj", "up_proj")]
+    x = torch.randn(2, 9, mlp.gate_proj.in_features, generator=torch.Generator().manual_seed(2))
+    x = x.to(params[0].device).requires_grad_()  # a GPU machine loads the 4-bit model there
     runs = {}
     for backward_kernels in (False, True):
         monkeypatch.setattr(dropout, "_BACKWARD", {"kernels": backward_kernels})
@@ -161,9 +162,9 @@ def test_the_traced_mlps_backward_through_the_dropout_kernels_ops_gives_its_grad
             t.grad = None
         backward = [str(node.args[0] if "auto_functionalized" in str(node.target) else node.target)
                     for node in graphs["backward"].graph.nodes if node.op == "call_function"]
-        ops = sorted(t for t in backward if t in ("freetune.dropped_grad_a.default",
+        ops = sorted(t for t in backward if t in ("freetune.dropped_grad_a_parts.default",
                                                    "freetune.add_dropped_product_.default"))
-        assert ops == (["freetune.add_dropped_product_.default"] * 2 + ["freetune.dropped_grad_a.default"] * 2
+        assert ops == (["freetune.add_dropped_product_.default"] * 2 + ["freetune.dropped_grad_a_parts.default"] * 2
                        if backward_kernels else [])
     assert runs[True][2].abs().sum() > 0
     for got, want in zip(runs[True], runs[False]):

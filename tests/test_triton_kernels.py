@@ -225,11 +225,12 @@ def test_the_dropout_kernel_draws_what_the_reference_draws_on_a_gpu():
 
 
 def check_dropout_backward(device):
-    """The backward's dropout kernels: dropped_grad_a is dh^T dropout(x) and add_dropped_product_ adds the mask's
-    share of dh A / (1 - p) to dx in place, both from the packed bits reference_draw gives, against fp32 products of
-    the reference's dropped x (within a rounding of the 16-bit output); tokens that split into several programs' sums
-    (a split smaller than the default's, and one that leaves a partial last split), widths with a partial last byte
-    and tile, ranks below tl.dot's 16, at it and between powers of two."""
+    """The backward's dropout kernels: dropped_grad_a_parts' fp32 parts sum to dh^T dropout(x) and
+    add_dropped_product_ adds the mask's share of dh A / (1 - p) to dx in place, both from the packed bits
+    reference_draw gives, against fp32 products of the reference's dropped x (within a rounding of the 16-bit output);
+    tokens that split into several programs' sums (a split smaller than the default's, and one that leaves a partial
+    last split), widths with a partial last byte and tile, ranks below tl.dot's 16, at it and between powers of
+    two."""
     from freetune.speed import dropout
 
     gen = torch.Generator().manual_seed(5)
@@ -245,9 +246,10 @@ def check_dropout_backward(device):
             for rank in (8, 16, 20):
                 dh = torch.randn(tokens, rank, generator=gen).to(dtype).to(device)
                 a = (torch.randn(rank, cols, generator=gen) / cols**0.5).to(dtype).to(device)
-                got = triton_kernels.run("dropped_grad_a", dh, x, bits, p)
+                parts = triton_kernels.run("dropped_grad_a_parts", dh, x, bits, p)
+                assert parts.shape == (-(-tokens // split), rank, cols) and parts.dtype == torch.float32
+                got = parts.sum(0).to(dtype)  # as dropout.lora_a_grad_of_dropped adds and rounds them
                 want = dh.float().t() @ dropped.float()
-                assert got.shape == (rank, cols) and got.dtype == dtype, (tokens, cols, rank)
                 # a sum over the tokens: its 16-bit rounding grows with it
                 torch.testing.assert_close(got.float(), want, rtol=2 * rounding(dtype),
                                            atol=2 * rounding(dtype) * tokens**0.5)
@@ -259,6 +261,18 @@ def check_dropout_backward(device):
     finally:
         triton_kernels.GRAD_A_TILE.update(default_tile)
     assert not triton_kernels._BROKEN, triton_kernels._BROKEN
+    # the op's body where its kernel failed: the parts its fake promised (the compiled graph's buffers were sized by
+    # it), the eager product in the first and zeros after, so that their sum is still the gradient
+    triton_kernels._BROKEN["dropped_grad_a_parts"] = "a launch that failed"
+    triton_kernels.GRAD_A_TILE.update(split=128)  # 300 tokens: three parts
+    try:
+        parts = dropout._grad_a_parts(dh, x, bits, p)
+        assert parts.shape == (triton_kernels.grad_a_splits(x.shape[0]), dh.shape[1], x.shape[1])
+        assert parts.shape[0] > 1 and not parts[1:].any()
+        assert torch.equal(parts.sum(0).to(x.dtype), dropout._grad_a_eager(dh, x, bits, p))
+    finally:
+        del triton_kernels._BROKEN["dropped_grad_a_parts"]
+        triton_kernels.GRAD_A_TILE.update(default_tile)
 
 
 def test_the_dropout_backward_kernels_compute_the_gradients_from_the_bits():

@@ -44,7 +44,7 @@ from freetune.speed import nf4
 # emulated, long rows: 187.0 against inductor's 199.2 ms of kernels a step, docs/performance.md);
 # scripts/bench_experiments.py's dropout_inductor and dropout_op set the others.
 _DRAW = {"how": "product"}
-_OPS: dict = {}  # the custom ops by name, defined once per process
+_OPS: dict = {}  # the ops by name, defined once per process (see _op), and the library that holds them
 
 _WORD = 0xFFFFFFFF
 DRAW_BITS = 16  # bits of a Philox output per keep-draw: 8 elements a call (see the module)
@@ -152,15 +152,28 @@ def _add_product_dropped_eager(dx, dh, a, bits, p: float):
     return dx.add_((dh @ a).mul_(unpack_mask(bits, dx.shape[1], dx.dtype)).mul_(1.0 / (1.0 - p)))
 
 
-def _grad_a(dh, x, bits, p: float):
-    """freetune::dropped_grad_a's body: dh^T dropout(x) from the saved bits, in x's dtype; the Triton kernel where it
-    runs, else the dropped x made again and a product."""
+def _grad_a_splits(x):
+    """How many parts freetune::dropped_grad_a_parts gives for x: its kernel's where its kernels run on x's device,
+    else one (the fake and the body agree on it: the same device)."""
+    fast = nf4.triton_for(x)
+    return 1 if fast is None else fast.grad_a_splits(x.shape[0])
+
+
+def _grad_a_parts(dh, x, bits, p: float):
+    """freetune::dropped_grad_a_parts' body: fp32 parts (_grad_a_splits(x), r, n) whose sum over the first dimension
+    is dh^T dropout(x) from the saved bits: the Triton kernel's where it runs, else the dropped x made again and a
+    product in the first part (x's dtype's rounding, as the kernel's sum is rounded by the caller), zeros in the
+    others."""
+    import torch
+
     fast = nf4.triton_for(x)
     if fast is not None and _product_kernel_runs(x, dh.shape[1], dh) and bits.is_contiguous():
-        out = fast.run("dropped_grad_a", dh, x, bits, p)
+        out = fast.run("dropped_grad_a_parts", dh, x, bits, p)
         if out is not None:
             return out
-    return _grad_a_eager(dh, x, bits, p)
+    parts = torch.zeros((_grad_a_splits(x), dh.shape[1], x.shape[1]), dtype=torch.float32, device=x.device)
+    parts[0] = _grad_a_eager(dh, x, bits, p)
+    return parts
 
 
 def _add_product_dropped(dx, dh, a, bits, p: float) -> None:
@@ -173,41 +186,56 @@ def _add_product_dropped(dx, dh, a, bits, p: float) -> None:
     _add_product_dropped_eager(dx, dh, a, bits, p)
 
 
+# The ops' signatures. Registered plainly (torch.library.Library: a schema, the body for CUDA and CPU tensors, a fake
+# for tracing), not through torch.library.custom_op, whose Python wrapper around every call cost ~45 us a call on a
+# lent H100's host against ~7 for the plain registration (scripts/bench_dropout.py --host, issue 49's twelfth
+# session): each is called once a projection a step, hundreds of times. What the plain registration leaves out, the
+# ops do not need: they run only inside compiled graphs (lora_a_of_dropped, lora_a_grad_of_dropped and
+# add_dropped_lora_grad_ call them while tracing), where autograd records none of their calls and inductor tracks
+# the in-place one's mutation from the schema's (a!).
+_SCHEMAS = {
+    "dropout_packed": "(Tensor x, Tensor seed, float p) -> (Tensor, Tensor)",
+    "dropped_product": "(Tensor x, Tensor a, Tensor seed, float p) -> (Tensor, Tensor)",
+    "dropped_grad_a_parts": "(Tensor dh, Tensor x, Tensor bits, float p) -> Tensor",
+    "add_dropped_product_": "(Tensor(a!) dx, Tensor dh, Tensor a, Tensor bits, float p) -> ()",
+}
+
+
 def _op(name: str):
-    """The custom op `name` (made once, eagerly: dynamo cannot trace its making; the compiled layers call each as one
-    opaque kernel): freetune::dropout_packed(x, seed, p) -> (dropout(x), keep-mask bits),
+    """The op freetune::`name` (made once, eagerly: dynamo cannot trace its making; the compiled layers call each as
+    one opaque kernel): freetune::dropout_packed(x, seed, p) -> (dropout(x), keep-mask bits),
     freetune::dropped_product(x, a, seed, p) -> (dropout(x) A^T, keep-mask bits), and the backward's
-    freetune::dropped_grad_a(dh, x, bits, p) -> dh^T dropout(x) and freetune::add_dropped_product_(dx, dh, a, bits, p)
-    (dx += the mask's share of dh A, in place: inductor runs it on dx's own buffer, as lora_kernel's add_product_)."""
+    freetune::dropped_grad_a_parts(dh, x, bits, p) -> fp32 parts summing to dh^T dropout(x) and
+    freetune::add_dropped_product_(dx, dh, a, bits, p) (dx += the mask's share of dh A, in place: inductor runs it on
+    dx's own buffer, as lora_kernel's add_product_)."""
     if name not in _OPS:
         import torch
 
         def bits_like(x):
             return x.new_empty((x.shape[0], -(-x.shape[1] // 8)), dtype=torch.uint8)
 
-        if name == "dropout_packed":
-            op = torch.library.custom_op("freetune::dropout_packed", _draw, mutates_args=(),
-                                         schema="(Tensor x, Tensor seed, float p) -> (Tensor, Tensor)")
-            op.register_fake(lambda x, seed, p: (torch.empty_like(x), bits_like(x)))
-        elif name == "dropped_product":
-            op = torch.library.custom_op("freetune::dropped_product", _dropped_product, mutates_args=(),
-                                         schema="(Tensor x, Tensor a, Tensor seed, float p) -> (Tensor, Tensor)")
-            op.register_fake(lambda x, a, seed, p: (x.new_empty((x.shape[0], a.shape[0])), bits_like(x)))
-        elif name == "dropped_grad_a":
-            op = torch.library.custom_op("freetune::dropped_grad_a", _grad_a, mutates_args=(),
-                                         schema="(Tensor dh, Tensor x, Tensor bits, float p) -> Tensor")
-            op.register_fake(lambda dh, x, bits, p: x.new_empty((dh.shape[1], x.shape[1])))
-        else:
-            op = torch.library.custom_op("freetune::add_dropped_product_", _add_product_dropped, mutates_args=("dx",),
-                                         schema="(Tensor(a!) dx, Tensor dh, Tensor a, Tensor bits, float p) -> ()")
-            op.register_fake(lambda dx, dh, a, bits, p: None)
-        _OPS[name] = op
+        body, fake = {
+            "dropout_packed": (_draw, lambda x, seed, p: (torch.empty_like(x), bits_like(x))),
+            "dropped_product": (_dropped_product,
+                                lambda x, a, seed, p: (x.new_empty((x.shape[0], a.shape[0])), bits_like(x))),
+            "dropped_grad_a_parts": (_grad_a_parts, lambda dh, x, bits, p: x.new_empty(
+                (_grad_a_splits(x), dh.shape[1], x.shape[1]), dtype=torch.float32)),
+            "add_dropped_product_": (_add_product_dropped, lambda dx, dh, a, bits, p: None),
+        }[name]
+        if "library" not in _OPS:  # one library for the four; freed, it would unregister them
+            _OPS["library"] = torch.library.Library("freetune", "FRAGMENT")
+        library = _OPS["library"]
+        library.define(name + _SCHEMAS[name])
+        for device in ("CUDA", "CPU"):
+            library.impl(name, body, device)
+        torch.library.register_fake(f"freetune::{name}", fake, lib=library)
+        _OPS[name] = getattr(torch.ops.freetune, name).default
     return _OPS[name]
 
 
 def make_ops() -> None:
     """The ops, now, eagerly (the fused layer's and the traced MLP's function builders call this)."""
-    for name in ("dropout_packed", "dropped_product", "dropped_grad_a", "add_dropped_product_"):
+    for name in ("dropout_packed", "dropped_product", "dropped_grad_a_parts", "add_dropped_product_"):
         _op(name)
 
 
@@ -232,25 +260,27 @@ def lora_a_of_dropped(x, a, p: float):
 
 
 # Whether compiled layers' backward computes LoRA A's gradient and the input gradient's LoRA term from dropout's bits
-# in one kernel each (freetune::dropped_grad_a, freetune::add_dropped_product_: bench's experiment
+# in one kernel each (freetune::dropped_grad_a_parts, freetune::add_dropped_product_: bench's experiment
 # dropout_backward_kernels) instead of inductor's code (the bits unpacked, the dropped x made again for cuBLAS, the
-# product dh A written, then masked and added). Off: on an H100 with the T4 long-row bench they took 2.9-3.6 ms
-# (1.6-2.0%) off a step's kernels, but each op's Python body (its dispatch, Triton's launch from Python) cost the
-# backward's thread 0.2-0.55 ms a call, 392 calls a step: tokens/s fell 29-45% on that host-bound GPU. Made
-# triton_ops, which inductor launches from its own code, the host cost went but the kernels ran 7-19% slower than
-# Triton's own launch (docs/performance.md, issue 49, eleventh session).
+# product dh A written, then masked and added). Off: on an H100 with the T4 long-row bench they took 1.0-2.0% off a
+# step's kernels, but the two ops' Python (the custom ops' dispatch, Triton's launch from Python; the LoRA-A parts'
+# sum and cast, until they moved into the graph) cost the backward's thread 0.3-0.55 ms a projection, 196 a step:
+# tokens/s 20-45% lower on that host-bound GPU. Made triton_ops, which inductor launches from its own code, the host
+# cost went but the kernels ran 7-19% slower than Triton's own launch (docs/performance.md, issue 49, eleventh and
+# twelfth sessions).
 _BACKWARD = {"kernels": False}
 
 
 def lora_a_grad_of_dropped(dh, x, bits, p: float):
     """dh^T dropout(x): LoRA A's gradient (r, n) in x's dtype from s dy B (tokens, r), the projection's input x
     (tokens, n) and dropout's keep-mask as bits (lora_a_of_dropped's). Inside a compiled layer one kernel
-    (freetune::dropped_grad_a: the dropped x is never written); elsewhere, or with _BACKWARD off, the dropped x made
-    again and a product."""
+    (freetune::dropped_grad_a_parts: the dropped x is never written) and the parts' sum in the graph; elsewhere, or
+    with _BACKWARD off, the dropped x made again and a product."""
     import torch
 
     if _BACKWARD["kernels"] and torch.compiler.is_compiling():
-        return _op("dropped_grad_a")(dh.contiguous(), x.contiguous(), bits, p)
+        # the parts added and rounded here, in the caller's graph: one kernel inductor fuses and launches
+        return _op("dropped_grad_a_parts")(dh.contiguous(), x.contiguous(), bits, p).sum(0).to(x.dtype)
     return _grad_a_eager(dh, x, bits, p)
 
 

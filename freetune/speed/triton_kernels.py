@@ -346,28 +346,37 @@ def dropped_product(x, a, seed, p: float):
     return h, bits
 
 
-# The backward kernels' tiles: dropped_grad_a sums "split" tokens a program ("rows" a loop step) for "cols" columns, so
-# a 1,536-wide input still gives the GPU 12 x 16 programs at 8,192 tokens; add_dropped_product_ one "rows" x "cols" tile
-# a program. scripts/bench_dropout.py on an H100 (fp16, rank 16, the T4 long-row step's shapes): 6.8 and 7.4 ms a
-# step against 10.7 and 12.2 for the code they replace compiled by inductor; the other tiles tried within 0.3 ms of
-# these (reports/gpu/dropout_backward_kernels_h100_issue49_s11.log).
+# The backward kernels' tiles: dropped_grad_a_parts sums "split" tokens a program ("rows" a loop step) for "cols"
+# columns, so a 1,536-wide input still gives the GPU 12 x 16 programs at 8,192 tokens; add_dropped_product_ one
+# "rows" x "cols" tile a program. scripts/bench_dropout.py on an H100 (fp16, rank 16, the T4 long-row step's shapes):
+# 6.8 and 7.4 ms a step against 10.7 and 12.2 for the code they replace compiled by inductor; the other tiles tried
+# within 0.3 ms of these (reports/gpu/dropout_backward_kernels_h100_issue49_s11.log).
 GRAD_A_TILE = {"rows": 64, "cols": 128, "split": 512, "warps": 4}
 ADD_TILE = {"rows": 32, "cols": 128, "warps": 4}
 
 
-def dropped_grad_a(dh, x, bits, p: float):
-    """dh^T dropout(x) (r, n), x's dtype, for the contiguous s dy B dh (tokens, r) and the layer's input x (tokens, n)
-    of one dtype and dropout's keep-mask as bits: LoRA A's gradient, the dropped x rounded to x's dtype as the forward
-    rounds it, the sums in fp32 and rounded once."""
+def grad_a_splits(tokens):
+    """How many fp32 parts dropped_grad_a_parts sums `tokens` tokens into (a SymInt where tokens is one: the custom
+    op's fake computes it too)."""
+    return -(-tokens // GRAD_A_TILE["split"])
+
+
+def dropped_grad_a_parts(dh, x, bits, p: float):
+    """fp32 parts (grad_a_splits(tokens), r, n) whose sum over the first dimension is dh^T dropout(x), for the
+    contiguous s dy B dh (tokens, r) and the layer's input x (tokens, n) of one dtype and dropout's keep-mask as bits:
+    LoRA A's gradient, the dropped x rounded to x's dtype as the forward rounds it. The parts are left to the caller's
+    compiled graph to add and round (one fused kernel there, launched by inductor: a sum and a cast launched from
+    here cost the host more than the kernel)."""
     tokens, cols = x.shape
     rank = dh.shape[1]
     tile = GRAD_A_TILE
-    splits = triton.cdiv(max(tokens, 1), tile["split"])
+    splits = grad_a_splits(tokens)
     parts = torch.empty(splits, rank, cols, dtype=torch.float32, device=x.device)
-    _dropped_grad_a_kernel[(triton.cdiv(max(cols, 1), tile["cols"]), splits)](
-        dh, x, bits, parts, tokens, cols, bits.shape[1], rank, 1.0 / (1.0 - p), SPLIT=tile["split"],
-        R=max(16, triton.next_power_of_2(rank)), ROWS=tile["rows"], COLS=tile["cols"], num_warps=tile["warps"])
-    return (parts[0] if splits == 1 else parts.sum(0)).to(x.dtype)
+    if splits:
+        _dropped_grad_a_kernel[(triton.cdiv(max(cols, 1), tile["cols"]), splits)](
+            dh, x, bits, parts, tokens, cols, bits.shape[1], rank, 1.0 / (1.0 - p), SPLIT=tile["split"],
+            R=max(16, triton.next_power_of_2(rank)), ROWS=tile["rows"], COLS=tile["cols"], num_warps=tile["warps"])
+    return parts
 
 
 def add_dropped_product_(dx, dh, a, bits, p: float):
