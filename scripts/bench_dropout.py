@@ -22,8 +22,8 @@ And the backward's two dropout terms, LoRA A's gradient dh^T dropout(x) and the 
 
 With --host, instead: the host's time per call of the backward's kernels on a small input (64 tokens: the GPU's
 part a few microseconds), layer by layer (Triton's launch alone, the wrapper, the op's body, the op through the
-dispatcher, a compiled function calling the op, a compiled function doing the same with inductor's code), to find
-where a call's host time goes.
+dispatcher, the same body through torch.library.custom_op, a compiled function calling the ops, a compiled function
+doing the same with inductor's code), to find where a call's host time goes.
 
 Usage (GPU machine):  python3 scripts/bench_dropout.py [--dtype float16|bfloat16] [--p 0.05] [--host] [--json OUT]
 Prints a table: milliseconds per call (median of triton.testing.do_bench) and what that is per step of the T4
@@ -191,38 +191,38 @@ def host_rows(dtype, p, rank, json_path, tokens=64, calls=2000):
         dx.add_((dh @ a) * mask * scale)
         return dh.t() @ (x * mask * scale)
 
-    # the same two bodies registered plainly (torch.library.Library: define, impl on CUDA, a fake), without
-    # torch.library.custom_op's Python wrapper around each call
-    plain = torch.library.Library("freetune_probe", "FRAGMENT")
-    plain.define("add_dropped_product_(Tensor(a!) dx, Tensor dh, Tensor a, Tensor bits, float p) -> ()")
-    plain.define("dropped_grad_a_parts(Tensor dh, Tensor x, Tensor bits, float p) -> Tensor")
-    plain.impl("add_dropped_product_", dropout._add_product_dropped, "CUDA")
-    plain.impl("dropped_grad_a_parts", dropout._grad_a_parts, "CUDA")
-    torch.library.register_fake("freetune_probe::add_dropped_product_", lambda dx, dh, a, bits, p: None, lib=plain)
-    torch.library.register_fake("freetune_probe::dropped_grad_a_parts", lambda dh, x, bits, p: x.new_empty(
-        (dropout._grad_a_splits(x), dh.shape[1], x.shape[1]), dtype=torch.float32), lib=plain)
+    # the same two bodies through torch.library.custom_op, for comparison: its Python wrapper around each call is
+    # what freetune.speed.dropout's plain registration leaves out
+    probe_add = torch.library.custom_op(
+        "freetune_probe::add_dropped_product_", dropout._add_product_dropped, mutates_args=("dx",), device_types="cuda",
+        schema="(Tensor(a!) dx, Tensor dh, Tensor a, Tensor bits, float p) -> ()")
+    probe_add.register_fake(lambda dx, dh, a, bits, p: None)
+    probe_grad_a = torch.library.custom_op("freetune_probe::dropped_grad_a_parts", dropout._grad_a_parts,
+                                           mutates_args=(), device_types="cuda",
+                                           schema="(Tensor dh, Tensor x, Tensor bits, float p) -> Tensor")
+    probe_grad_a.register_fake(lambda dh, x, bits, p: x.new_empty(
+        (dropout._grad_a_splits(x), dh.shape[1], x.shape[1]), dtype=torch.float32))
 
-    def with_plain_op(dh, x, bits, a, dx):
-        torch.ops.freetune_probe.add_dropped_product_(dx, dh, a, bits, p)
-        return torch.ops.freetune_probe.dropped_grad_a_parts(dh, x, bits, p).sum(0).to(x.dtype)
+    def with_custom_op(dh, x, bits, a, dx):
+        probe_add(dx, dh, a, bits, p)
+        return probe_grad_a(dh, x, bits, p).sum(0).to(x.dtype)
 
     compiled_op, compiled_inductor = torch.compile(with_op, dynamic=True), torch.compile(with_inductor, dynamic=True)
-    compiled_plain = torch.compile(with_plain_op, dynamic=True)
+    compiled_custom_op = torch.compile(with_custom_op, dynamic=True)
     ways = {
         "grad_a: Triton's launch alone": launch_only,
         "grad_a: the wrapper (the parts' buffer, the launch)": lambda: triton_kernels.dropped_grad_a_parts(
             dh, x, bits, p),
         "grad_a: the op's body": lambda: dropout._grad_a_parts(dh, x, bits, p),
         "grad_a: the op": lambda: torch.ops.freetune.dropped_grad_a_parts(dh, x, bits, p),
+        "grad_a: the body through custom_op": lambda: probe_grad_a(dh, x, bits, p),
         "add: the wrapper": lambda: triton_kernels.add_dropped_product_(dx, dh, a, bits, p),
         "add: the op": lambda: torch.ops.freetune.add_dropped_product_(dx, dh, a, bits, p),
-        "grad_a: the op registered plainly": lambda: torch.ops.freetune_probe.dropped_grad_a_parts(dh, x, bits, p),
-        "add: the op registered plainly": lambda: torch.ops.freetune_probe.add_dropped_product_(dx, dh, a, bits, p),
+        "add: the body through custom_op": lambda: probe_add(dx, dh, a, bits, p),
         "forward: the product op": lambda: torch.ops.freetune.dropped_product(x, a, seed, p),
         "both terms: compiled, the ops": lambda: compiled_op(dh, x, bits, a, dx),
+        "both terms: compiled, through custom_op": lambda: compiled_custom_op(dh, x, bits, a, dx),
         "both terms: compiled, inductor's code": lambda: compiled_inductor(dh, x, bits, a, dx),
-        "both terms: compiled, the ops registered plainly": lambda: compiled_plain(dh, x, bits, a, dx),
-        "both terms: compiled, the ops (again)": lambda: compiled_op(dh, x, bits, a, dx),
         "an empty torch op (x.view)": lambda: x.view(-1),
     }
     rows = []

@@ -187,8 +187,8 @@ def _add_product_dropped(dx, dh, a, bits, p: float) -> None:
 
 
 # The ops' signatures. Registered plainly (torch.library.Library: a schema, the body for CUDA and CPU tensors, a fake
-# for tracing), not through torch.library.custom_op, whose Python wrapper around every call cost ~45 us a call on a
-# lent H100's host against ~7 for the plain registration (scripts/bench_dropout.py --host, issue 49's twelfth
+# for tracing), not through torch.library.custom_op, whose Python wrapper around every call cost 22-47 us a call on
+# the lent H100s' hosts against 7-14 for the plain registration (scripts/bench_dropout.py --host, issue 49's twelfth
 # session): each is called once a projection a step, hundreds of times. What the plain registration leaves out, the
 # ops do not need: they run only inside compiled graphs (lora_a_of_dropped, lora_a_grad_of_dropped and
 # add_dropped_lora_grad_ call them while tracing), where autograd records none of their calls and inductor tracks
@@ -262,12 +262,12 @@ def lora_a_of_dropped(x, a, p: float):
 # Whether compiled layers' backward computes LoRA A's gradient and the input gradient's LoRA term from dropout's bits
 # in one kernel each (freetune::dropped_grad_a_parts, freetune::add_dropped_product_: bench's experiment
 # dropout_backward_kernels) instead of inductor's code (the bits unpacked, the dropped x made again for cuBLAS, the
-# product dh A written, then masked and added). Off: on an H100 with the T4 long-row bench they took 1.0-2.0% off a
-# step's kernels, but the two ops' Python (the custom ops' dispatch, Triton's launch from Python; the LoRA-A parts'
-# sum and cast, until they moved into the graph) cost the backward's thread 0.3-0.55 ms a projection, 196 a step:
-# tokens/s 20-45% lower on that host-bound GPU. Made triton_ops, which inductor launches from its own code, the host
-# cost went but the kernels ran 7-19% slower than Triton's own launch (docs/performance.md, issue 49, eleventh and
-# twelfth sessions).
+# product dh A written, then masked and added). Off: on an H100 with the T4 long-row bench they take 1.3-1.4% off a
+# step's kernels, but the two ops' Python (their dispatch, Triton's launch from Python) costs the backward's thread
+# ~0.13-0.18 ms a projection, 196 a step: tokens/s 9% lower on that host-bound GPU (20-45% lower before the ops were
+# registered plainly and LoRA A's parts added in the graph). Made triton_ops, which inductor launches from its own
+# code, the host cost went but the kernels ran 7-19% slower than Triton's own launch (docs/performance.md, issue 49,
+# eleventh and twelfth sessions).
 _BACKWARD = {"kernels": False}
 
 

@@ -356,8 +356,8 @@ ADD_TILE = {"rows": 32, "cols": 128, "warps": 4}
 
 
 def grad_a_splits(tokens):
-    """How many fp32 parts dropped_grad_a_parts sums `tokens` tokens into (a SymInt where tokens is one: the custom
-    op's fake computes it too)."""
+    """How many fp32 parts dropped_grad_a_parts sums `tokens` tokens into (a SymInt where tokens is one: the op's fake,
+    freetune.speed.dropout's, computes it too)."""
     return -(-tokens // GRAD_A_TILE["split"])
 
 
