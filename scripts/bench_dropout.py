@@ -179,7 +179,7 @@ def host_rows(dtype, p, rank, json_path, tokens=64, calls=2000):
 
     def launch_only():
         kernel[grid](dh, x, bits, parts, tokens, width, bits.shape[1], rank, scale, SPLIT=tile["split"],
-                     R=max(16, triton.next_power_of_2(rank)), ROWS=tile["rows"], COLS=tile["cols"],
+                     R=triton_kernels.dot_rank(rank), ROWS=tile["rows"], COLS=tile["cols"],
                      num_warps=tile["warps"])
 
     def with_op(dh, x, bits, a, dx):

@@ -54,6 +54,12 @@ def test_each_element_is_kept_with_probability_1_minus_p_independently():
     near((gone & other).float().mean().item(), p * p, n)
 
 
+def called_ops(gm) -> list[str]:
+    """The ops an ATen graph calls, by name; an in-place op functionalised (auto_functionalized) by its own name."""
+    return [str(node.args[0] if "auto_functionalized" in str(node.target) else node.target)
+            for node in gm.graph.nodes if node.op == "call_function"]
+
+
 def projection(tiny_model_dir, p: float):
     model = quantized_lora_model(tiny_model_dir, torch.float32, dropout=p)
     lora_kernel.use_fused_lora(model)
@@ -83,8 +89,7 @@ def test_a_compiled_layer_drops_through_its_op_and_trains_through_that_mask(tiny
     graphs, out = aten_graphs(layer, x)  # out.sum().backward() inside
     got = (out.detach(), x.grad.clone(), a.grad.clone(), b.grad.clone())
     targets = [str(node.target) for node in graphs["forward"].graph.nodes if node.op == "call_function"]
-    backward = [str(node.args[0] if "auto_functionalized" in str(node.target) else node.target)
-                for node in graphs["backward"].graph.nodes if node.op == "call_function"]
+    backward = called_ops(graphs["backward"])
     # the op and its seed's draw, no other random draw or dropout
     op = {"product": "freetune.dropped_product.default", "op": "freetune.dropout_packed.default"}[how]
     assert sorted(t for t in targets if "rand" in t or "drop" in t) == ["aten.randint.low", op]
@@ -160,8 +165,7 @@ def test_the_traced_mlps_backward_through_the_dropout_kernels_ops_gives_its_grad
         x.grad = None
         for t in params:
             t.grad = None
-        backward = [str(node.args[0] if "auto_functionalized" in str(node.target) else node.target)
-                    for node in graphs["backward"].graph.nodes if node.op == "call_function"]
+        backward = called_ops(graphs["backward"])
         ops = sorted(t for t in backward if t in ("freetune.dropped_grad_a_parts.default",
                                                    "freetune.add_dropped_product_.default"))
         assert ops == (["freetune.add_dropped_product_.default"] * 2 + ["freetune.dropped_grad_a_parts.default"] * 2

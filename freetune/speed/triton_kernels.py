@@ -268,6 +268,11 @@ def _grid(n: int):
     return (triton.cdiv(max(n, 1), BLOCK),)
 
 
+def dot_rank(rank: int) -> int:
+    """The LoRA rank padded to a power of two of at least 16 (tl.dot's least): the R of the kernels with a product."""
+    return max(16, triton.next_power_of_2(rank))
+
+
 def dequantize_nf4_nested(packed, absmax, table, blocksize: int, shape, dtype):
     """The 16-bit weight of a double-quantised NF4 weight (packed codes, 8-bit absmax values, their nested_table)."""
     out = torch.empty(tuple(shape), dtype=dtype, device=packed.device)
@@ -341,7 +346,7 @@ def dropped_product(x, a, seed, p: float):
     tile = PRODUCT_TILE
     _dropped_product_kernel[(triton.cdiv(max(tokens, 1), tile["rows"]),)](
         x, a, seed, h, bits, tokens, cols, bits.shape[1], rank, drop_threshold(p), 1.0 / (1.0 - p),
-        PADDED=8 * bits.shape[1], R=max(16, triton.next_power_of_2(rank)), ROWS=tile["rows"], COLS=tile["cols"],
+        PADDED=8 * bits.shape[1], R=dot_rank(rank), ROWS=tile["rows"], COLS=tile["cols"],
         num_warps=tile["warps"])
     return h, bits
 
@@ -375,7 +380,7 @@ def dropped_grad_a_parts(dh, x, bits, p: float):
     if splits:
         _dropped_grad_a_kernel[(triton.cdiv(max(cols, 1), tile["cols"]), splits)](
             dh, x, bits, parts, tokens, cols, bits.shape[1], rank, 1.0 / (1.0 - p), SPLIT=tile["split"],
-            R=max(16, triton.next_power_of_2(rank)), ROWS=tile["rows"], COLS=tile["cols"], num_warps=tile["warps"])
+            R=dot_rank(rank), ROWS=tile["rows"], COLS=tile["cols"], num_warps=tile["warps"])
     return parts
 
 
@@ -387,7 +392,7 @@ def add_dropped_product_(dx, dh, a, bits, p: float):
     tile = ADD_TILE
     grid = (triton.cdiv(max(tokens, 1), tile["rows"]), triton.cdiv(max(cols, 1), tile["cols"]))
     _add_dropped_product_kernel[grid](
-        dx, dh, a, bits, tokens, cols, bits.shape[1], rank, 1.0 / (1.0 - p), R=max(16, triton.next_power_of_2(rank)),
+        dx, dh, a, bits, tokens, cols, bits.shape[1], rank, 1.0 / (1.0 - p), R=dot_rank(rank),
         ROWS=tile["rows"], COLS=tile["cols"], num_warps=tile["warps"])
     return dx
 
