@@ -5,10 +5,11 @@ and the peer's (scripts/bench_unsloth.py, which has no freetune on its path) use
 
 Each GPU kernel is attributed to the CPU op that launched it and that op's ancestors (torch.profiler's kernels per
 op, recorded with record_shapes=True), and sorted:
-  what:  4-bit dequantisation (bitsandbytes' or freetune's dequantise kernels, inductor's fused unpacking of NF4
-         bytes), matmul (base weights), matmul (LoRA: an operand with the LoRA rank as a dimension), matmul (loss
-         head: an operand with the vocabulary as a dimension), attention, loss head (softmax / cross-entropy),
-         optimizer, element-wise compiled (inductor's Triton kernels), element-wise eager, other;
+  what:  4-bit dequantisation (bitsandbytes' or freetune's dequantise kernels, inductor's fused decoding of NF4
+         bytes; not LoRA dropout's mask bits, whose unpacking inductor fuses into element-wise work), matmul (base
+         weights), matmul (LoRA: an operand with the LoRA rank as a dimension), matmul (loss head: an operand with
+         the vocabulary as a dimension), attention, loss head (softmax / cross-entropy), optimizer, element-wise
+         compiled (inductor's Triton kernels), element-wise eager, other;
   phase: forward, backward, recompute (forward ops run inside the backward: checkpointing), optimizer.
 These are rules on names and shapes, not a trace of the code: the shares are close, not exact.
 """
@@ -17,7 +18,12 @@ from __future__ import annotations
 
 import re
 
-DEQUANT = re.compile(r"dequant|nf4|kdequantize|bitwise_and_bitwise_right_shift|bitwise_right_shift", re.I)
+# Kernel names of 4-bit dequantisation. Inductor names a fused kernel after its ops: freetune's NF4 decoding in a
+# compiled graph (freetune.speed.bnb_cpu.decode_4bit) shifts with `>>`, aten's __rshift__; the LoRA dropout mask's
+# unpacking (freetune.speed.lora_kernel.unpack_mask) with bitwise_right_shift, which inductor fuses into the SiLU's and
+# the norms' backward: element-wise work, counted as dequantisation until 2026-12-06 (16.9 ms of the T4 long-row
+# step's 183, docs/performance.md). tests/test_bench.py compiles both and checks their names here.
+DEQUANT = re.compile(r"dequant|nf4|kdequantize|__rshift__", re.I)
 ATTENTION = re.compile(r"fmha|attention|flash|attn|sdpa", re.I)
 MATMUL = re.compile(r"gemm|nvjet|xmma|cutlass|cublas|wgmma|s16816|s1688|matmul|_mm_|splitk", re.I)
 LOSS = re.compile(r"softmax|cross_entropy|nll_loss|logsumexp|cross-entropy", re.I)

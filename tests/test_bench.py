@@ -580,6 +580,47 @@ def test_the_step_breakdown_sorts_kernels_by_what_they_do_and_when():
     assert sb.phase_of(["aten::_foreach_add_", "Optimizer.step#AdamW.step"]) == "optimizer"
 
 
+def test_the_step_breakdown_tells_nf4_decoding_from_dropout_masks_by_inductors_kernel_names():
+    """Inductor names a fused kernel after its ops, the same way in its CPU (cpp_fused_...) and GPU
+    (triton_poi_fused_...) code. Compiled here on a CPU: freetune's in-graph NF4 decoding is 4-bit dequantisation;
+    LoRA dropout's mask unpacked and fused with a SiLU's backward is element-wise work (it was counted as
+    dequantisation: both shift bits)."""
+    import torch
+    import bitsandbytes.functional as bnbf
+    from torch._inductor.utils import run_and_get_code
+    from freetune.speed import lora_kernel, nf4
+    from scripts import step_breakdown as sb
+
+    def kernel_names(fn, *args) -> list[str]:
+        _, codes = run_and_get_code(torch.compile(fn, fullgraph=True), *args)
+        return sorted({"triton_poi_" + name[len("cpp_"):] for name in re.findall(r"cpp_fused\w+", "\n".join(codes))})
+
+    packed, state = bnbf.quantize_4bit(torch.randn(256, 128), quant_type="nf4", compress_statistics=True)
+    absmax, table, spec = nf4.quant_args(state, keep_8bit_absmax=True)
+    assert table is not None  # the 8-bit absmax values decoded in the graph, as compiled layers do
+    spec = spec[:3] + (torch.float16,)
+    x = torch.randn(32, 128, dtype=torch.float16)
+    decoding = kernel_names(lambda packed, absmax, table, x: x @ nf4._dequantize(packed, absmax, spec, table).t(),
+                            packed, absmax, table, x)
+    assert decoding and all(sb.category_of(k, [], [], 16, 1) == "4-bit dequantisation" for k in decoding), decoding
+
+    bits = lora_kernel.pack_mask(torch.rand(32, 128) > 0.1)
+    gate, up, grad = (torch.randn(32, 128, dtype=torch.float16) for _ in range(3))
+
+    def silu_backward_through_the_mask(grad, up, gate, bits):
+        s = torch.sigmoid(gate)
+        return grad * lora_kernel.unpack_mask(bits, 128, torch.float16) * up * s * (1 + gate * (1 - s))
+
+    masking = kernel_names(silu_backward_through_the_mask, grad, up, gate, bits)
+    assert masking and all(sb.category_of(k, [], [], 16, 1) == "element-wise (compiled / Triton)" for k in masking), \
+        masking
+    # the H100's names for both in the T4 long-row step (issue 49, twelfth session's records, cut to 90 characters)
+    assert sb.category_of("triton_poi_fused__to_copy_add_arange_bitwise_and_bitwise_right_shift_mul_silu_silu_backwar",
+                          ["CompiledFunctionBackward"], [], 16, 1) == "element-wise (compiled / Triton)"
+    assert sb.category_of("triton_poi_fused___rshift____to_copy__unsafe_view_add_arange_bitwise_and_cat_clone_expand_",
+                          ["CompiledFunction"], [], 16, 1) == "4-bit dequantisation"
+
+
 def test_the_step_breakdown_counts_kernels_not_the_ranges_marked_on_the_gpus_timeline():
     """An optimizer's record_function range on the GPU's timeline ("Optimizer.step#AdamW.step") spans its launches:
     with 8-bit AdamW's one kernel per weight it was ~20 ms of a GPU waiting for the host, counted as optimizer
