@@ -200,8 +200,8 @@ def host_rows(dtype, p, rank, json_path, tokens=64, calls=2000):
     probe_grad_a = torch.library.custom_op("freetune_probe::dropped_grad_a_parts", dropout._grad_a_parts,
                                            mutates_args=(), device_types="cuda",
                                            schema="(Tensor dh, Tensor x, Tensor bits, float p) -> Tensor")
-    probe_grad_a.register_fake(lambda dh, x, bits, p: x.new_empty(
-        (dropout._grad_a_splits(x), dh.shape[1], x.shape[1]), dtype=torch.float32))
+    probe_grad_a.register_fake(lambda dh, x, bits, p: x.new_empty(dropout._grad_a_parts_shape(dh, x),
+                                                                  dtype=torch.float32))
 
     def with_custom_op(dh, x, bits, a, dx):
         probe_add(dx, dh, a, bits, p)

@@ -152,15 +152,16 @@ def _add_product_dropped_eager(dx, dh, a, bits, p: float):
     return dx.add_((dh @ a).mul_(unpack_mask(bits, dx.shape[1], dx.dtype)).mul_(1.0 / (1.0 - p)))
 
 
-def _grad_a_splits(x):
-    """How many parts freetune::dropped_grad_a_parts gives for x: its kernel's where its kernels run on x's device,
-    else one (the fake and the body agree on it: the same device)."""
+def _grad_a_parts_shape(dh, x) -> tuple:
+    """The shape of freetune::dropped_grad_a_parts' output for dh (tokens, r) and x (tokens, n): (parts, r, n), the
+    parts its kernel's split gives where its kernels run on x's device, else one (the fake and the body agree on it:
+    the same device)."""
     fast = nf4.triton_for(x)
-    return 1 if fast is None else fast.grad_a_splits(x.shape[0])
+    return (1 if fast is None else fast.grad_a_splits(x.shape[0]), dh.shape[1], x.shape[1])
 
 
 def _grad_a_parts(dh, x, bits, p: float):
-    """freetune::dropped_grad_a_parts' body: fp32 parts (_grad_a_splits(x), r, n) whose sum over the first dimension
+    """freetune::dropped_grad_a_parts' body: fp32 parts (_grad_a_parts_shape) whose sum over the first dimension
     is dh^T dropout(x) from the saved bits: the Triton kernel's where it runs, else the dropped x made again and a
     product in the first part (x's dtype's rounding, as the kernel's sum is rounded by the caller), zeros in the
     others."""
@@ -171,7 +172,7 @@ def _grad_a_parts(dh, x, bits, p: float):
         out = fast.run("dropped_grad_a_parts", dh, x, bits, p)
         if out is not None:
             return out
-    parts = torch.zeros((_grad_a_splits(x), dh.shape[1], x.shape[1]), dtype=torch.float32, device=x.device)
+    parts = torch.zeros(_grad_a_parts_shape(dh, x), dtype=torch.float32, device=x.device)
     parts[0] = _grad_a_eager(dh, x, bits, p)
     return parts
 
@@ -218,8 +219,8 @@ def _op(name: str):
             "dropout_packed": (_draw, lambda x, seed, p: (torch.empty_like(x), bits_like(x))),
             "dropped_product": (_dropped_product,
                                 lambda x, a, seed, p: (x.new_empty((x.shape[0], a.shape[0])), bits_like(x))),
-            "dropped_grad_a_parts": (_grad_a_parts, lambda dh, x, bits, p: x.new_empty(
-                (_grad_a_splits(x), dh.shape[1], x.shape[1]), dtype=torch.float32)),
+            "dropped_grad_a_parts": (_grad_a_parts, lambda dh, x, bits, p: x.new_empty(_grad_a_parts_shape(dh, x),
+                                                                                   dtype=torch.float32)),
             "add_dropped_product_": (_add_product_dropped, lambda dx, dh, a, bits, p: None),
         }[name]
         if "library" not in _OPS:  # one library for the four; freed, it would unregister them
