@@ -37,7 +37,7 @@ import json
 TOKENS = 8192                    # 8 rows x 1,024 tokens, the T4 long-row bench's micro-batch
 WIDTHS = {"hidden": 1536, "intermediate": 8960}  # Qwen2.5-1.5B: q, k, v, o, gate, up read 1536; down reads 8960
 CALLS_PER_STEP = {"hidden": 6 * 35, "intermediate": 35}  # 28 layers + 7 recomputed, per projection
-TILES = [(32, 64, 4), (16, 64, 4), (16, 128, 4), (32, 128, 4), (32, 64, 8), (64, 64, 8), (16, 64, 2)]
+TILES = [(16, 64, 2), (16, 64, 4), (32, 64, 4), (32, 64, 2), (16, 128, 4), (32, 128, 4), (16, 256, 4), (64, 64, 4)]
 GRAD_A_TILES = [(64, 128, 512, 4), (64, 64, 512, 4), (32, 64, 256, 4), (64, 64, 256, 8), (32, 128, 256, 4)]
 ADD_TILES = [(64, 128, 4), (32, 128, 4), (32, 64, 4), (16, 128, 4), (64, 256, 8), (32, 256, 4)]
 
@@ -78,12 +78,19 @@ def main():
                 return triton_kernels.dropped_product(x, a, seed, p)
             ways[f"product {rows_}x{cols}x{warps}"] = product
         default_tile = dict(triton_kernels.PRODUCT_TILE)
-        # every way keeps the elements the reference keeps (the inductor way draws its own)
-        want_bits = dropout.reference_draw(x, seed, p)[1]
+        # every way keeps the elements the reference keeps (the inductor way draws its own), and a product tile's
+        # LoRA-A output is the reference's product (Triton 3.6 built the 64 x 64 x 4 tile wrong on an H100, issue 49's
+        # fourteenth session: a tile that gives other numbers is listed as such, not timed)
+        want_dropped, want_bits = dropout.reference_draw(x, seed, p)
+        want_h = want_dropped @ a.t()
         for way, fn in ways.items():
             out = fn()
             if way.startswith(("op", "product")):
                 assert torch.equal(out[1], want_bits), way
+            if way.startswith("product") and not torch.allclose(out[0], want_h, rtol=1e-2, atol=1e-2):
+                rows.append({"shape": f"{TOKENS}x{width}", "way": way + " WRONG", "ms_per_call": float("nan"),
+                             "ms_per_step": float("nan")})
+                continue
             ms = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
             rows.append({"shape": f"{TOKENS}x{width}", "way": way, "ms_per_call": round(ms, 4),
                          "ms_per_step": round(ms * CALLS_PER_STEP[name], 2)})

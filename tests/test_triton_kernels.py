@@ -193,8 +193,10 @@ def check_dropout_draw(device):
 
     assert triton_kernels.usable(torch.empty(1, device=device))
     gen = torch.Generator().manual_seed(3)
-    for (tokens, cols), dtype, p in (((37, 203), torch.float16, 0.05), ((300, 96), torch.bfloat16, 0.5),
-                                     ((5, 3), torch.float32, 0.3)):
+    # widths with a partial last byte (203) and whole bytes over several column tiles (200: the product kernel's
+    # bounds per byte)
+    for (tokens, cols), dtype, p in (((37, 203), torch.float16, 0.05), ((40, 200), torch.float16, 0.2),
+                                     ((300, 96), torch.bfloat16, 0.5), ((5, 3), torch.float32, 0.3)):
         x = torch.randn(tokens, cols, generator=gen).to(dtype).to(device)
         seed = torch.tensor([2**61 + 12345], device=device)  # both 32-bit key words in use
         got = triton_kernels.run("dropout_packed", x, seed, p)
@@ -300,3 +302,19 @@ def test_a_kernel_whose_launch_failed_sends_only_its_own_callers_to_the_eager_co
     assert triton_kernels.run("dropped_product", "x", "a", "seed", 0.1) is None  # not launched again
     assert triton_kernels.run("pack", "kept") == "packed"
     assert calls == ["dropped_product", "pack"] and list(triton_kernels._BROKEN) == ["dropped_product"]
+
+
+def test_the_dropout_product_kernel_builds_for_a_t4_without_spills_or_shuffles():
+    """freetune::dropped_product's kernel compiled for a T4 (sm_75) and an H100 (sm_90) on this CPU
+    (scripts/kernel_sass.py: Triton's own compiler and disassembler, no GPU): its loop keeps a byte's draws, bits and
+    elements in one thread, so it spills no registers to local memory and packs the bits without a shuffle between
+    threads. Drawn as a flat tile and reshaped, as before issue 49's fourteenth session, it spilled on sm_75 (110 local
+    loads and stores a loop step with Triton 3.9) and summed the bits across threads (48 shuffles)."""
+    from scripts.kernel_sass import compile_kernel, loop_costs
+
+    tile = triton_kernels.PRODUCT_TILE
+    constants = {"PADDED": 1536, "R": 16, "ROWS": tile["rows"], "COLS": tile["cols"], "WHOLE_BYTES": 1}
+    for arch in (75, 90):
+        costs = loop_costs(*compile_kernel("_dropped_product_kernel", arch, constants, tile["warps"]))
+        assert costs["loop_instructions"] > 100, costs  # the loop was found
+        assert costs["local_memory_ops"] == 0 and costs["by_opcode"].get("SHFL", 0) == 0, (arch, costs)

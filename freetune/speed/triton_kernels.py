@@ -178,32 +178,61 @@ def _dropout_packed_kernel(x_ptr, seed_ptr, out_ptr, bits_ptr, n_bytes, cols, bi
 
 
 @triton.jit
+def _eight(k0, k1, k2, k3, k4, k5, k6, k7):
+    # eight (M, N) tensors as one (M, N, 8), the k-th at [:, :, k]: the new dimension in each thread's registers (a
+    # join's), so no layout conversion between the draws of a byte and its 8 elements
+    return tl.reshape(tl.join(tl.join(tl.join(k0, k4), tl.join(k2, k6)), tl.join(tl.join(k1, k5), tl.join(k3, k7))),
+                      [k0.shape[0], k0.shape[1], 8])
+
+
+@triton.jit
 def _dropped_product_kernel(x_ptr, a_ptr, seed_ptr, h_ptr, bits_ptr, tokens, cols, bit_cols, rank, threshold, scale,
-                            PADDED: tl.constexpr, R: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+                            PADDED: tl.constexpr, R: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+                            WHOLE_BYTES: tl.constexpr):
     # h = dropout(x) A^T for ROWS rows of x a program, COLS columns at a time, with the keep-draws of
     # _dropout_packed_kernel (the same elements kept); the mask's bits written on the way, the dropped x never.
+    # Laid out by byte of the mask: a (ROWS, COLS / 8) tile of Philox calls, each call's 8 draws compared and packed
+    # where they are, and x read as (ROWS, COLS / 8, 8), so that a byte's 8 elements sit in one thread with their
+    # draws. (Drawn as a flat (bytes, 8) tile and reshaped to (ROWS, COLS), as until issue 49's fourteenth session,
+    # Triton moved the draws between layouts through shared memory and summed the bits across threads.)
     # PADDED (8 * bit_cols) a constant: one build per width (a model has two or three), and Triton 3.6's interpreter
-    # cannot loop up to a run-time scalar.
+    # cannot loop up to a run-time scalar. WHOLE_BYTES (cols % 8 == 0): the bounds checked per byte, not per element.
+    B: tl.constexpr = COLS // 8
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_in = rows < tokens
     seed = tl.load(seed_ptr)
     ranks = tl.arange(0, R)  # R: the rank padded to a power of two >= 16 (tl.dot's least)
+    eighth = tl.arange(0, 8)
     acc = tl.zeros([ROWS, R], dtype=tl.float32)
     for first in range(0, PADDED, COLS):
-        nth_byte = first // 8 + tl.arange(0, COLS // 8)
-        byte = rows[:, None] * bit_cols + nth_byte[None, :]
-        draws = _byte_draws(seed, tl.reshape(byte, [ROWS * COLS // 8]), ROWS * COLS // 8)
-        col = first + tl.arange(0, COLS)
-        where = row_in[:, None] & (col < cols)[None, :]
-        keep = (tl.reshape(draws, [ROWS, COLS]) >= threshold) & where
-        x = tl.load(x_ptr + rows[:, None] * cols + col[None, :], mask=where, other=0.0).to(tl.float32)
-        dropped = tl.where(keep, x * scale, 0.0).to(x_ptr.dtype.element_ty)
-        a_t = tl.load(a_ptr + ranks[None, :] * cols + col[:, None],
-                      mask=(ranks < rank)[None, :] & (col < cols)[:, None], other=0.0)
+        nth = first // 8 + tl.arange(0, B)
+        byte = rows[:, None] * bit_cols + nth[None, :]
+        # element k of a byte: the 16-bit half k % 2 (low first) of the call's output word k // 2
+        r0, r1, r2, r3 = tl.randint4x(seed, byte)
+        r0, r1 = r0.to(tl.uint32, bitcast=True), r1.to(tl.uint32, bitcast=True)
+        r2, r3 = r2.to(tl.uint32, bitcast=True), r3.to(tl.uint32, bitcast=True)
+        k0, k1 = (r0 & 0xFFFF) >= threshold, (r0 >> 16) >= threshold
+        k2, k3 = (r1 & 0xFFFF) >= threshold, (r1 >> 16) >= threshold
+        k4, k5 = (r2 & 0xFFFF) >= threshold, (r2 >> 16) >= threshold
+        k6, k7 = (r3 & 0xFFFF) >= threshold, (r3 >> 16) >= threshold
+        # the bits of the columns past the last one are 0 (pack_mask's padding)
+        valid = (1 << tl.minimum(tl.maximum(cols - nth * 8, 0), 8)) - 1
+        bits = (k0.to(tl.int32) | (k1.to(tl.int32) << 1) | (k2.to(tl.int32) << 2) | (k3.to(tl.int32) << 3)
+                | (k4.to(tl.int32) << 4) | (k5.to(tl.int32) << 5) | (k6.to(tl.int32) << 6)
+                | (k7.to(tl.int32) << 7)) & valid[None, :]
+        tl.store(bits_ptr + byte, bits.to(tl.uint8), mask=row_in[:, None] & (nth < bit_cols)[None, :])
+        col = (nth * 8)[None, :, None] + eighth[None, None, :]
+        if WHOLE_BYTES:
+            where = row_in[:, None, None] & (nth < bit_cols)[None, :, None]
+        else:
+            where = row_in[:, None, None] & (col < cols)
+        keep = _eight(k0, k1, k2, k3, k4, k5, k6, k7)  # outside the bounds x reads as 0: nothing to keep or drop
+        x = tl.load(x_ptr + rows[:, None, None] * cols + col, mask=where, other=0.0).to(tl.float32)
+        dropped = tl.reshape(tl.where(keep, x * scale, 0.0).to(x_ptr.dtype.element_ty), [ROWS, COLS])
+        col2 = first + tl.arange(0, COLS)
+        a_t = tl.load(a_ptr + ranks[None, :] * cols + col2[:, None],
+                      mask=(ranks < rank)[None, :] & (col2 < cols)[:, None], other=0.0)
         acc += tl.dot(dropped, a_t.to(dropped.dtype))
-        shifted = tl.reshape(keep.to(tl.int32), [ROWS, COLS // 8, 8]) << tl.arange(0, 8)[None, None, :]
-        tl.store(bits_ptr + byte, tl.sum(shifted, axis=2).to(tl.uint8),
-                 mask=row_in[:, None] & (nth_byte < bit_cols)[None, :])
     tl.store(h_ptr + rows[:, None] * rank + ranks[None, :], acc.to(h_ptr.dtype.element_ty),
              mask=row_in[:, None] & (ranks < rank)[None, :])
 
@@ -330,10 +359,10 @@ def dropout_packed(x, seed, p: float):
     return out, bits
 
 
-# freetune::dropped_product's tile: rows of x a program, columns a loop step, warps a program. scripts/bench_dropout.py
-# on an H100 (fp16, rank 16, 8,192 tokens): 16 x 128 x 4 the fastest over the long-row step's widths, 13.6 ms a step
-# against 15.8 for 32 x 64 x 4 (reports/gpu/dropout_kernels_h100_issue49.log)
-PRODUCT_TILE = {"rows": 16, "cols": 128, "warps": 4}
+# freetune::dropped_product's tile: rows of x a program, columns a loop step, warps a program. On an H100 (fp16, rank
+# 16, 8,192 tokens, the long-row step's widths), the kernel laid out by byte: 16 x 64 x 2 the fastest, 12.3 ms a step
+# against 13.9 for the flat layout's best tile, 16 x 128 x 4 (reports/gpu/dropout_product_layout_h100_issue49_s14.log)
+PRODUCT_TILE = {"rows": 16, "cols": 64, "warps": 2}
 
 
 def dropped_product(x, a, seed, p: float):
@@ -347,7 +376,7 @@ def dropped_product(x, a, seed, p: float):
     _dropped_product_kernel[(triton.cdiv(max(tokens, 1), tile["rows"]),)](
         x, a, seed, h, bits, tokens, cols, bits.shape[1], rank, drop_threshold(p), 1.0 / (1.0 - p),
         PADDED=8 * bits.shape[1], R=dot_rank(rank), ROWS=tile["rows"], COLS=tile["cols"],
-        num_warps=tile["warps"])
+        WHOLE_BYTES=cols % 8 == 0, num_warps=tile["warps"])
     return h, bits
 
 
