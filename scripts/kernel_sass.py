@@ -67,20 +67,26 @@ def compile_kernel(name: str, arch: int, constants: dict, warps: int):
 
 def loop_costs(kernel, sass: str) -> dict:
     """The first loop's instructions by opcode (from the first label a later branch jumps back to, to that branch; the
-    whole kernel where there is no loop), and the kernel's layout conversions, local memory and shared memory."""
+    whole kernel's where there is no loop), and the kernel's layout conversions, local memory and shared memory."""
     lines = sass.splitlines()
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^\.(L_x_\d+):", line))}
-    span = (0, len(lines))
+
+    def opcodes(first: int, last: int) -> Counter:
+        ops = Counter()
+        for line in lines[first:last]:
+            m = re.match(r"^\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", line)
+            if m:
+                ops[m.group(1)] += 1
+        return ops
+
+    ops = opcodes(0, len(lines))
     for i, line in enumerate(lines):
         m = re.search(r"BRA\s+`\(\.(L_x_\d+)\)", line)
-        if m and m.group(1) in labels and labels[m.group(1)] < i:
-            span = (labels[m.group(1)], i + 1)
+        # a branch back to an earlier label, over more than itself (the kernel's last line branches to itself)
+        loop = opcodes(labels[m.group(1)], i + 1) if m and labels.get(m.group(1), i) < i else Counter()
+        if sum(loop.values()) > 1:
+            ops = loop
             break
-    ops = Counter()
-    for line in lines[span[0]:span[1]]:
-        m = re.match(r"^\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", line)
-        if m:
-            ops[m.group(1)] += 1
     return {"loop_instructions": sum(ops.values()), "by_opcode": dict(ops.most_common()),
             "layout_conversions": kernel.asm["ttgir"].count("ttg.convert_layout"),
             "local_memory_ops": ops["LDL"] + ops["STL"], "shared_bytes": kernel.metadata.shared}
