@@ -6,8 +6,9 @@ Why: the lent GPU's time is scarce and a kernel's cost is mostly decided by what
 conversion through shared memory, a reduction across threads, a spill. Triton compiles for any target without the
 device (its ptxas and nvdisasm come with it), so a change to a kernel can be read as a T4's (sm_75) and an H100's
 (sm_90) machine code before any GPU time is spent. Issue 49's fourteenth session read the LoRA dropout product kernel
-this way: six conversions a loop step and, on sm_75, 90 local loads and stores, where the kernel laid out by byte has
-one conversion and no spills (docs/performance.md). Counts are static, not timings: the GPU decides.
+this way: with Triton 3.6, six layout conversions and, on sm_75, 90 local loads and stores a loop step, where the
+kernel laid out by byte has one conversion and no spills (docs/performance.md). Counts are static, not timings, and
+they move with Triton's version: the GPU decides.
 
 Usage:  python scripts/kernel_sass.py _dropped_product_kernel --arch 75 --warps 2 \\
             --const PADDED=1536,R=16,ROWS=16,COLS=64,WHOLE_BYTES=1
