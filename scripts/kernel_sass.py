@@ -27,7 +27,7 @@ import subprocess
 from collections import Counter
 
 POINTER_TYPES = {"seed_ptr": "*i64", "bits_ptr": "*u8", "mask_ptr": "*u8", "part_ptr": "*fp32", "packed_ptr": "*u8",
-                 "absmax_ptr": "*u8", "table_ptr": "*fp32", "kept_ptr": "*i1", "out_ptr": "*fp16"}
+                 "absmax_ptr": "*u8", "table_ptr": "*fp32", "kept_ptr": "*i1"}
 NOT_MULTIPLES = ("threshold", "scale", "rank")  # scalars whose value is no size
 
 
