@@ -11,7 +11,8 @@ Layouts, each checked against the first one's output and gradients:
   dense_sdpa    scaled_dot_product_attention on (rows, heads, length, dim) with is_causal, k and v repeated, the
                 memory-efficient backend only: what Unsloth runs when every row has the same length
 Per layout: the median ms of forward, and of forward + backward, over 20 repeats; the memory the call adds at its
-peak; the kernels the profiler saw, with their time.
+peak; the kernels the profiler saw, with their time. The backward's key splits (num_splits_key) by hand against
+PyTorch's choice: scripts/attention_key_splits.py.
 """
 
 from __future__ import annotations

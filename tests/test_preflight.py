@@ -3,7 +3,6 @@
 import json
 import subprocess
 import sys
-from dataclasses import replace
 
 import pytest
 
@@ -228,26 +227,27 @@ def test_gradient_checkpointing_takes_auto_on_off_and_refuses_anything_else():
 
 def test_a_card_with_room_for_some_layers_checkpoints_only_every_nth(tmp_path):
     """Between "fits without checkpointing" and "needs it everywhere": every n-th layer is checkpointed, the largest n
-    that fits (the others skip the recompute), and the Trainer is told through every_n_layers."""
+    that fits (the others skip the recompute), and the Trainer is told through every_n_layers. Every n is tried: here
+    5 fits and 6 does not (a list of 8, 4, 3, 2 picked 4, one layer's recompute more: issue 49)."""
     from freetune.plan import estimate
     from freetune.platform import Paths
     from freetune.sft_config import make_config
 
     shape = KNOWN_SHAPES["qwen2.5-1.5b"]
     plan = make_plan(H100, model_shape=shape, memory_budget_gib=14.5, grad_accum=8)
-    assert plan.batch.micro_batch == 8 and plan.memory.checkpointing and plan.memory.checkpoint_every == 4
-    assert "on for 7 of 28 layers (every 4)" in plan.reasons["gradient_checkpointing"]
+    assert plan.batch.micro_batch == 8 and plan.memory.checkpointing and plan.memory.checkpoint_every == 5
+    assert "on for 6 of 28 layers (every 5)" in plan.reasons["gradient_checkpointing"]
     settings = {k: v for k, v in plan.memory.estimate.settings.items() if k not in ("model", "max_length", "micro_batch")}
-    sparser = estimate(shape, max_length=1024, micro_batch=8, **{**settings, "checkpoint_every": 8})  # the next sparser choice
+    sparser = estimate(shape, max_length=1024, micro_batch=8, **{**settings, "checkpoint_every": 6})  # one fewer
     assert sparser.total_gib * 1.1 > 14.5 >= plan.memory.estimate.total_gib * 1.1
-    assert "every 4 layers" in plan.table() and not plan.memory.offload_activations
+    assert "every 5 layers" in plan.table() and not plan.memory.offload_activations
     run = tmp_path / "run"
     paths = Paths(platform="local", run_dir=str(run), checkpoints=f"{run}/c", adapter=f"{run}/a", data=f"{run}/d",
                   reports=f"{run}/r").make()
     cpu_check = plan.replace(device="cpu", compute_dtype="float32", mixed_precision="no")  # this machine has no GPU
     config = make_config(paths, cpu_check, max_steps=2, micro_batch=8, grad_accum=1, learning_rate=1e-4,
                          max_length=1024)
-    assert config.gradient_checkpointing_kwargs == {"use_reentrant": False, "every_n_layers": 4}
+    assert config.gradient_checkpointing_kwargs == {"use_reentrant": False, "every_n_layers": 5}
 
 
 def test_replanned_for_the_datas_longest_row_a_t4_drops_checkpointing():
