@@ -399,7 +399,7 @@ def test_the_memory_efficient_ops_forward_backward_and_autograd_run_through_on_m
     shape, the logsumexp one per q head and row. The numbers are the GPU tests' (the kernel needs a GPU)."""
     import torch
 
-    from freetune.speed.attention_efficient import efficient_op
+    from freetune.speed.attention_efficient import _backward_4d, efficient_op
 
     op = efficient_op()
     q = torch.empty(16, 8, 64, device="meta", dtype=torch.float16, requires_grad=True)
@@ -409,5 +409,9 @@ def test_the_memory_efficient_ops_forward_backward_and_autograd_run_through_on_m
     assert out.shape == q.shape and lse.shape[1] == q.shape[1]
     grads = torch.ops.freetune.varlen_efficient_backward(out, q, k, v, out, lse, cu, 8, None, layout)
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    if layout == "whole":  # one kernel call: its output and q's gradient returned as the kernel made them, not copied
+        with torch.no_grad():  # the function itself: the backward op's registered fake is an empty_like
+            dq = _backward_4d(out, q, k, v, out, lse, cu, 8, None, layout)[0]
+        assert out._is_view() and dq._is_view() and out.is_contiguous() and dq.is_contiguous()
     op(q, k, v, cu, 8, None, layout).sum().backward()
     assert (q.grad.shape, k.grad.shape, v.grad.shape) == (q.shape, k.shape, v.shape)

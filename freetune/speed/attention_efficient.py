@@ -113,7 +113,10 @@ def _forward_4d(q, k, v, cu, max_len, scale, layout):
         outs.append(out[0])
         lses.append(lse)
     if len(outs) == 1:
-        return outs[0].clone(), lses[0]  # a custom op's outputs must not be views
+        # The kernel's own new tensor, returned as a view, not a copy: torch checks that a custom op's outputs share
+        # no storage with its inputs (torch.library's check_aliasing_constraint, torch 2.10-2.13), which a view of a
+        # tensor made here does not. The copy was 25 MB a layer on the T4 long rows (docs/performance.md).
+        return outs[0], lses[0]
     return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
 
 
@@ -146,4 +149,6 @@ def _backward_4d(grad, q, k, v, out, lse, cu, max_len, scale, layout):
         # the repeated heads' gradients summed back onto each key/value head, written in place
         torch.sum(dkp[0].unflatten(1, (-1, groups)), dim=2, out=dk[:, ks])
         torch.sum(dvp[0].unflatten(1, (-1, groups)), dim=2, out=dv[:, ks])
-    return torch.cat(dqs, dim=1), dk, dv
+    # one part (the "whole" layout): no torch.cat, which copies even one tensor; contiguous as cat's output was
+    # (a no-op for the kernel's own contiguous gradient)
+    return (dqs[0].contiguous() if len(dqs) == 1 else torch.cat(dqs, dim=1)), dk, dv
