@@ -17,6 +17,7 @@ import argparse
 
 import torch
 
+from freetune.reach.torch import efficient_attention_backward, efficient_attention_forward
 from freetune.speed.attention_efficient import _parts, _repeated
 
 SPLITS = (None, 1, 2, 4, 8, 16)
@@ -28,8 +29,8 @@ def forward(q, k, v, cu, row, layout):
     saved = []
     for qs, ks in _parts(q, k, layout):
         qp, kp, vp = q[:, qs], _repeated(k[:, ks], groups, layout), _repeated(v[:, ks], groups, layout)
-        out, lse = torch.ops.aten._efficient_attention_forward(qp[None], kp[None], vp[None], None, cu, cu, row, row,
-                                                               0.0, 1, True, scale=None)[:2]
+        out, lse = efficient_attention_forward(qp[None], kp[None], vp[None], None, cu, cu, row, row, 0.0, 1, True,
+                                               scale=None)[:2]
         saved.append((qp, kp, vp, out, lse))
     return saved
 
@@ -39,7 +40,7 @@ def backward(saved, grads, cu, row, splits, layout):
     results = []
     for (qp, kp, vp, out, lse), g in zip(saved, grads):
         kwargs = {} if splits is None else {"num_splits_key": splits}
-        results.append(torch.ops.aten._efficient_attention_backward(
+        results.append(efficient_attention_backward(
             g, qp[None], kp[None], vp[None], None, out, cu, cu, row, row, lse, 0.0, unused, unused, 1, False,
             scale=None, **kwargs)[:3])
     return results
