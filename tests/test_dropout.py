@@ -173,3 +173,85 @@ def test_the_traced_mlps_backward_through_the_dropout_kernels_ops_gives_its_grad
     assert runs[True][2].abs().sum() > 0
     for got, want in zip(runs[True], runs[False]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_rank_sums_give_the_lora_terms_without_writing_their_products(tiny_model_dir, monkeypatch):
+    """With lora_kernel's rank sums (bench's rank_sum_forward and rank_sum_backward) a compiled narrow projection
+    (down: out < in) under dropout computes its forward LoRA term s h B^T and its input gradient's (s dy B) A as sums
+    over the rank: the ATen graphs have one product fewer in the forward and one fewer in the backward, and the
+    output and every gradient are the products' (the same generator state: one mask), through aot_autograd's graphs
+    and through inductor's code (a CPU here; the GPU bench runs its Triton code)."""
+    import torch._dynamo
+
+    layer = projection(tiny_model_dir, 0.3)
+    name = layer.active_adapters[0]
+    a, b = layer.lora_A[name].weight, layer.lora_B[name].weight
+    assert layer.out_features < layer.in_features
+    x = torch.randn(3, 5, layer.in_features, generator=torch.Generator().manual_seed(2)).to(a.device).requires_grad_()
+
+    def mm_count(gm):
+        return sum(node.target is torch.ops.aten.mm.default for node in gm.graph.nodes)
+
+    runs, counts = {}, {}
+    for rank_sums in (False, True):
+        monkeypatch.setattr(lora_kernel, "_RANK_SUMS", {"forward": rank_sums, "backward": rank_sums})
+        torch.manual_seed(7)
+        graphs, out = aten_graphs(layer, x)  # out.sum().backward() inside
+        counts[rank_sums] = (mm_count(graphs["forward"]), mm_count(graphs["backward"]))
+        runs[rank_sums] = [out.detach(), x.grad.clone(), a.grad.clone(), b.grad.clone()]
+        x.grad = a.grad = b.grad = None
+        torch._dynamo.reset()
+        try:
+            torch.manual_seed(7)
+            out = torch.compile(layer, fullgraph=True)(x)
+            (out * out).sum().backward()
+            runs[rank_sums, "inductor"] = [out.detach(), x.grad.clone(), a.grad.clone(), b.grad.clone()]
+            x.grad = a.grad = b.grad = None
+        finally:
+            torch._dynamo.reset()
+    assert counts[True] == (counts[False][0] - 1, counts[False][1] - 1)
+    assert runs[True][1].abs().sum() > 0
+    for on, off in ((True, False), ((True, "inductor"), (False, "inductor"))):
+        for got, want in zip(runs[on], runs[off]):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_joined_input_gradient_product_gives_the_same_gradients_from_one_read_of_dy(tiny_model_dir, monkeypatch):
+    """With lora_kernel's joined product (bench's joined_dgrad) a compiled projection under dropout whose backward
+    dequantises in the graph computes its input gradient's base product and s dy B as one product dy [W | s B]: the
+    backward's ATen graph has one product fewer, and the output and every gradient are the two products' (through
+    aot_autograd's graphs and through inductor's code)."""
+    import torch._dynamo
+
+    from freetune.speed import nf4
+
+    model = quantized_lora_model(tiny_model_dir, torch.float32, dropout=0.3)
+    lora_kernel.use_fused_lora(model, keep_8bit_absmax=True)  # the compiled plans' weights: 8-bit absmax, in graph
+    layer = model.get_base_model().model.layers[0].mlp.down_proj
+    monkeypatch.setattr(nf4, "_IN_GRAPH", {"on": True})
+    name = layer.active_adapters[0]
+    a, b = layer.lora_A[name].weight, layer.lora_B[name].weight
+    x = torch.randn(3, 5, layer.in_features, generator=torch.Generator().manual_seed(2)).to(a.device).requires_grad_()
+
+    runs, counts = {}, {}
+    for joined in (False, True):
+        monkeypatch.setattr(lora_kernel, "_JOINED_DGRAD", {"on": joined})
+        torch.manual_seed(7)
+        graphs, out = aten_graphs(layer, x)  # out.sum().backward() inside
+        counts[joined] = sum(node.target is torch.ops.aten.mm.default for node in graphs["backward"].graph.nodes)
+        runs[joined] = [out.detach(), x.grad.clone(), a.grad.clone(), b.grad.clone()]
+        x.grad = a.grad = b.grad = None
+        torch._dynamo.reset()
+        try:
+            torch.manual_seed(7)
+            out = torch.compile(layer, fullgraph=True)(x)
+            (out * out).sum().backward()
+            runs[joined, "inductor"] = [out.detach(), x.grad.clone(), a.grad.clone(), b.grad.clone()]
+            x.grad = a.grad = b.grad = None
+        finally:
+            torch._dynamo.reset()
+    assert counts[True] == counts[False] - 1
+    assert runs[True][1].abs().sum() > 0
+    for on, off in ((True, False), ((True, "inductor"), (False, "inductor"))):
+        for got, want in zip(runs[on], runs[off]):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
