@@ -25,7 +25,7 @@ EXPERIMENTS = ("liger", "cpp_wrapper", "combo_kernels", "dense_head", "no_packed
                "fp32_absmax", "per_layer_casts", "copied_heads", "kv_head_calls", "trl_empty_cache", "no_triton",
                "op_dgrad", "addmm_sums", "out_of_place_backward_sums", "traced_addmm",
                "widening_addmm", "dropout_inductor", "dropout_op", "dropout_backward_kernels",
-               "rank_sum_forward", "rank_sum_backward", "joined_dgrad",
+               "rank_sum_forward", "rank_sum_backward",
                "skip_guards", "no_asserts", "gc_unfrozen", "lora_dropout", "full_recompute",
                "optimizer_per_tensor",
                "ddp_split", "static_graph", "bucket_view", "bucket_mb", "flat_sync")
@@ -186,9 +186,6 @@ PATCHES: dict[str, tuple[Patch, ...]] = {
                                lambda old: {**old, "forward": True}),),
     "rank_sum_backward": (Patch("freetune.speed.lora_kernel", "_RANK_SUMS",
                                 lambda old: {**old, "backward": True}),),
-    # a compiled layer's backward under LoRA dropout: the input gradient's base product and s dy B as one product,
-    # dy [W | s B] (freetune.speed.lora_kernel.joins_input_grad), not two that each read dy
-    "joined_dgrad": (Patch("freetune.speed.lora_kernel", "_JOINED_DGRAD", _set({"on": True})),),
     # Two more host costs of every compiled layer call (tenth session): guards, and the compiled graphs' wrapper
     # code checking every input's size and stride per call.
     "skip_guards": (Patch("freetune.trainer", "FreetuneTrainer.training_step", _guards_skipped_after_warmup),),

@@ -92,16 +92,22 @@ _ADD_PRODUCT: dict = {}  # "op": freetune::add_product_, defined once per proces
 # phase: "forward", a narrow projection's s h B^T added to its base product (plus_product's out-of-place sum);
 # "backward", the input gradient's (s dy B) A where dropout dropped the input (freetune.speed.dropout's
 # add_dropped_lora_grad_). Off: cuBLAS writes the (tokens, n) product and that kernel reads it back. bench's
-# experiments rank_sum_forward and rank_sum_backward turn them on (issue 49, seventeenth session).
+# experiments rank_sum_forward and rank_sum_backward turn them on (issue 49, seventeenth session: as one sum over a
+# (tokens, r, n) broadcast, inductor made persistent-reduction kernels that doubled the H100 step's kernel time; the
+# unrolled sum below is not measured yet; docs/performance.md).
 _RANK_SUMS = {"forward": False, "backward": False}
 
 
 def rank_sum(m1, m2):
-    """m1 @ m2 in fp32 for a thin m1 (tokens, r) and m2 (r, n), written as the sum over r of broadcast products: traced
-    into a compiled graph, inductor computes it inside the element-wise kernel that uses it, r multiply-adds per element
+    """m1 @ m2 in fp32 for a thin m1 (tokens, r) and m2 (r, n), written as r element-wise multiply-adds of m1's column
+    k by m2's row k: traced into a compiled graph, inductor computes it inside the element-wise kernel that uses it,
     from m1's row and m2's column (both small enough to stay in cache), so the (tokens, n) product is never written
-    and read back. Eagerly it would make a (tokens, r, n) tensor: for compiled graphs only."""
-    return (m1.unsqueeze(2).float() * m2.unsqueeze(0).float()).sum(1)
+    and read back. (Written as one sum over a (tokens, r, n) broadcast, inductor made it a reduction kernel of its
+    own kind, far slower.)"""
+    out = m1[:, :1].float() * m2[:1].float()
+    for k in range(1, m1.shape[1]):
+        out = out + m1[:, k:k + 1].float() * m2[k:k + 1].float()
+    return out
 
 
 def _add_product_op():
@@ -180,24 +186,6 @@ def base_plus_lora(x, w, bias, h, b, scaling: float):
     return plus_product(torch.nn.functional.linear(x, w, bias), h, b.t(), scaling, widening=widening)
 
 
-# Whether a compiled layer's backward under LoRA dropout computes its input gradient's base product and s dy B as one
-# product, dy [W | s B] (joins_input_grad). Off: two products, each reading dy. bench's experiment joined_dgrad
-# (issue 49, seventeenth session).
-_JOINED_DGRAD = {"on": False}
-
-
-def joins_input_grad(needs_input_grad: bool, mask, table, dy, b, inputs: int) -> bool:
-    """Whether QLoRALinear's backward takes the joined product: inside a compiled graph that dequantises the weight
-    itself (nf4.times_dequantized's in-graph way), where the input gradient is wanted and dropout's mask is there (its
-    LoRA term is then element-wise code, which reads the product's strided halves as they are), and the joined rows
-    keep 16-byte alignment (tensor cores' fast path)."""
-    import torch
-
-    return (_JOINED_DGRAD["on"] and needs_input_grad and mask is not None and table is not None
-            and nf4._IN_GRAPH["on"] and torch.compiler.is_compiling()
-            and ((inputs + b.shape[1]) * dy.element_size()) % 16 == 0)
-
-
 def _function():
     import torch
 
@@ -251,13 +239,7 @@ def _function():
             shape = dy.shape
             dy2 = dy.reshape(-1, shape[-1]).to(compute)
             grad_x = grad_a = grad_b = None
-            joined = joins_input_grad(ctx.needs_input_grad[0], mask, table, dy2, b, ctx.spec[2][1])
-            if joined:
-                # dy [W | s B]: the input gradient's base product and s dy B from one read of dy
-                both = dy2 @ torch.cat([nf4._dequantize(weight, absmax, ctx.spec, table), b * s], dim=1)
-                grad_x, dh = both[:, :-b.shape[1]], both[:, -b.shape[1]:]
-            else:
-                dh = (dy2 @ b).mul_(s)                       # (tokens, r): s * dy B
+            dh = (dy2 @ b).mul_(s)                           # (tokens, r): s * dy B
             if ctx.needs_input_grad[2]:
                 grad_b = (dy2.t() @ h).mul_(s).to(ctx.b_dtype)
             if ctx.needs_input_grad[1]:
@@ -269,8 +251,7 @@ def _function():
                     grad_a = (dh.t() @ xd).to(ctx.a_dtype)
                     del xd
             if ctx.needs_input_grad[0]:
-                if not joined:
-                    grad_x = nf4.times_dequantized(dy2, weight, absmax, ctx.spec, table)
+                grad_x = nf4.times_dequantized(dy2, weight, absmax, ctx.spec, table)
                 if mask is None:
                     grad_x = plus_product(grad_x, dh, a, phase="backward")
                 elif bits:
