@@ -214,4 +214,3 @@ def test_the_rank_sums_give_the_lora_terms_without_writing_their_products(tiny_m
     for on, off in ((True, False), ((True, "inductor"), (False, "inductor"))):
         for got, want in zip(runs[on], runs[off]):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-

@@ -289,7 +289,8 @@ def add_dropped_lora_grad_(dx, dh, a, bits, p: float):
     """dx += dropout's mask x (dh A) / (1 - p), in place, for an input gradient dx (tokens, n), s dy B dh (tokens, r),
     A (r, n) and dropout's keep-mask as bits; returns dx. Inside a compiled layer one kernel
     (freetune::add_dropped_product_: the product dh A is never written); elsewhere, or with _BACKWARD off, the product,
-    the mask and an add."""
+    the mask and an add (under bench's rank_sum_backward, the product summed in the add's kernel and a new tensor
+    returned: lora_kernel.rank_sum)."""
     import torch
 
     from freetune.speed import lora_kernel
