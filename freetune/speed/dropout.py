@@ -299,8 +299,8 @@ def add_dropped_lora_grad_(dx, dh, a, bits, p: float):
         _op("add_dropped_product_")(dx, dh.contiguous(), a.contiguous(), bits, p)
         return dx
     if lora_kernel._RANK_SUMS["backward"] and torch.compiler.is_compiling():
-        # the product summed in the kernel that masks and adds it (lora_kernel.rank_sum), rounded once; a new tensor
-        # where inductor does not reuse dx's buffer
+        # the product summed in the kernel that masks and adds it; a new tensor where inductor does not reuse dx's
+        # buffer
         keep = lora_kernel.unpack_mask(bits, dx.shape[1], torch.float32)
-        return (dx.float() + lora_kernel.rank_sum(dh, a) * keep * (1.0 / (1.0 - p))).to(dx.dtype)
+        return lora_kernel.plus_rank_sum(dx, dh, a, 1.0 / (1.0 - p), keep)
     return _add_product_dropped_eager(dx, dh, a, bits, p)

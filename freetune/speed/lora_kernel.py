@@ -110,6 +110,13 @@ def rank_sum(m1, m2):
     return out
 
 
+def plus_rank_sum(y, m1, m2, scale: float, keep=None):
+    """y + scale * (m1 @ m2) (times a 0/1 mask `keep` where given), the product as rank_sum computes it: in fp32,
+    rounded once to y's dtype. For compiled graphs (the experiments in _RANK_SUMS)."""
+    term = rank_sum(m1, m2) * scale
+    return (y.float() + (term if keep is None else term * keep)).to(y.dtype)
+
+
 def _add_product_op():
     """freetune::add_product_: y += alpha * (m1 @ m2) in place (y.addmm_), as a custom op that mutates y.
 
@@ -157,7 +164,7 @@ def plus_product(y, m1, m2, alpha: float = 1.0, phase: str = "forward", widening
             return y
         return y.addmm_(m1, m2, alpha=alpha)
     if _RANK_SUMS[phase]:
-        return (y.float() + rank_sum(m1, m2) * alpha).to(y.dtype)  # rounded once
+        return plus_rank_sum(y, m1, m2, alpha)
     product = m1 @ m2
     return y + (product if alpha == 1.0 else product * alpha)
 
