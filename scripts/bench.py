@@ -93,8 +93,6 @@ VARIANTS_HELP = (
     "not 8 elements a call with the LoRA-A product in the same kernel), dropout_op=true (drawn 8 a call, the "
     "dropped input written and multiplied by A apart), dropout_backward_kernels=true (the backward's dropout "
     "terms from the mask's bits in one kernel each, not the unpacked mask through inductor and cuBLAS), "
-    "rank_sum_forward=true and rank_sum_backward=true (a narrow projection's LoRA term, and the input gradient's "
-    "under dropout, summed over the rank inside the kernel that adds it, not written by cuBLAS and read back), "
     "skip_guards=true (after two steps dynamo checks only the guards that tell the layers' "
     "graphs apart), no_asserts=true (no size/stride checks in the compiled graphs' "
     "wrappers), gc_unfrozen=true (no gc.freeze after the warm-up), "

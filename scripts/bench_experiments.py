@@ -25,7 +25,6 @@ EXPERIMENTS = ("liger", "cpp_wrapper", "combo_kernels", "dense_head", "no_packed
                "fp32_absmax", "per_layer_casts", "copied_heads", "kv_head_calls", "trl_empty_cache", "no_triton",
                "op_dgrad", "addmm_sums", "out_of_place_backward_sums", "traced_addmm",
                "widening_addmm", "dropout_inductor", "dropout_op", "dropout_backward_kernels",
-               "rank_sum_forward", "rank_sum_backward",
                "skip_guards", "no_asserts", "gc_unfrozen", "lora_dropout", "full_recompute",
                "optimizer_per_tensor",
                "ddp_split", "static_graph", "bucket_view", "bucket_mb", "flat_sync")
@@ -179,13 +178,6 @@ PATCHES: dict[str, tuple[Patch, ...]] = {
     # gradient and the input gradient's LoRA product written, then masked and added (issue 49, eleventh session:
     # fewer kernel-ms, more host)
     "dropout_backward_kernels": (Patch("freetune.speed.dropout", "_BACKWARD", _set({"kernels": True})),),
-    # the compiled layers' thin LoRA products summed over the rank inside the element-wise kernel that adds them
-    # (freetune.speed.lora_kernel.rank_sum), not written by cuBLAS and read back: a narrow projection's forward term,
-    # the input gradient's term under dropout
-    "rank_sum_forward": (Patch("freetune.speed.lora_kernel", "_RANK_SUMS",
-                               lambda old: {**old, "forward": True}),),
-    "rank_sum_backward": (Patch("freetune.speed.lora_kernel", "_RANK_SUMS",
-                                lambda old: {**old, "backward": True}),),
     # Two more host costs of every compiled layer call (tenth session): guards, and the compiled graphs' wrapper
     # code checking every input's size and stride per call.
     "skip_guards": (Patch("freetune.trainer", "FreetuneTrainer.training_step", _guards_skipped_after_warmup),),

@@ -289,18 +289,10 @@ def add_dropped_lora_grad_(dx, dh, a, bits, p: float):
     """dx += dropout's mask x (dh A) / (1 - p), in place, for an input gradient dx (tokens, n), s dy B dh (tokens, r),
     A (r, n) and dropout's keep-mask as bits; returns dx. Inside a compiled layer one kernel
     (freetune::add_dropped_product_: the product dh A is never written); elsewhere, or with _BACKWARD off, the product,
-    the mask and an add (under bench's rank_sum_backward, the product summed in the add's kernel and a new tensor
-    returned: lora_kernel.rank_sum)."""
+    the mask and an add."""
     import torch
-
-    from freetune.speed import lora_kernel
 
     if _BACKWARD["kernels"] and torch.compiler.is_compiling() and dx.is_contiguous():
         _op("add_dropped_product_")(dx, dh.contiguous(), a.contiguous(), bits, p)
         return dx
-    if lora_kernel._RANK_SUMS["backward"] and torch.compiler.is_compiling():
-        # the product summed in the kernel that masks and adds it; a new tensor where inductor does not reuse dx's
-        # buffer
-        keep = lora_kernel.unpack_mask(bits, dx.shape[1], torch.float32)
-        return lora_kernel.plus_rank_sum(dx, dh, a, 1.0 / (1.0 - p), keep)
     return _add_product_dropped_eager(dx, dh, a, bits, p)

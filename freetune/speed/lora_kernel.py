@@ -88,34 +88,6 @@ _OUT_OF_PLACE_SUMS = {"forward": True, "backward": False}
 _IN_PLACE_SUMS = {"op": True}
 _ADD_PRODUCT: dict = {}  # "op": freetune::add_product_, defined once per process
 
-# Where compiled layers compute a LoRA term's thin product inside the element-wise kernel that adds it (rank_sum), by
-# phase: "forward", a narrow projection's s h B^T added to its base product (plus_product's out-of-place sum);
-# "backward", the input gradient's (s dy B) A where dropout dropped the input (freetune.speed.dropout's
-# add_dropped_lora_grad_). Off: cuBLAS writes the (tokens, n) product and that kernel reads it back. bench's
-# experiments rank_sum_forward and rank_sum_backward turn them on (issue 49, seventeenth session: as one sum over a
-# (tokens, r, n) broadcast, inductor made persistent-reduction kernels that doubled the H100 step's kernel time; the
-# unrolled sum below is not measured yet; docs/performance.md).
-_RANK_SUMS = {"forward": False, "backward": False}
-
-
-def rank_sum(m1, m2):
-    """m1 @ m2 in fp32 for a thin m1 (tokens, r) and m2 (r, n), written as r element-wise multiply-adds of m1's column
-    k by m2's row k: traced into a compiled graph, inductor computes it inside the element-wise kernel that uses it,
-    from m1's row and m2's column (both small enough to stay in cache), so the (tokens, n) product is never written
-    and read back. (Written as one sum over a (tokens, r, n) broadcast, inductor made it a reduction kernel of its
-    own kind, far slower.)"""
-    out = m1[:, :1].float() * m2[:1].float()
-    for k in range(1, m1.shape[1]):
-        out = out + m1[:, k:k + 1].float() * m2[k:k + 1].float()
-    return out
-
-
-def plus_rank_sum(y, m1, m2, scale: float, keep=None):
-    """y + scale * (m1 @ m2) (times a 0/1 mask `keep` where given), the product as rank_sum computes it: in fp32,
-    rounded once to y's dtype. For compiled graphs (the experiments in _RANK_SUMS)."""
-    term = rank_sum(m1, m2) * scale
-    return (y.float() + (term if keep is None else term * keep)).to(y.dtype)
-
 
 def _add_product_op():
     """freetune::add_product_: y += alpha * (m1 @ m2) in place (y.addmm_), as a custom op that mutates y.
@@ -163,8 +135,6 @@ def plus_product(y, m1, m2, alpha: float = 1.0, phase: str = "forward", widening
             _add_product_op()(y, m1, m2, float(alpha))
             return y
         return y.addmm_(m1, m2, alpha=alpha)
-    if _RANK_SUMS[phase]:
-        return plus_rank_sum(y, m1, m2, alpha)
     product = m1 @ m2
     return y + (product if alpha == 1.0 else product * alpha)
 
